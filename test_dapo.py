@@ -166,3 +166,446 @@ def test_score_batch_kills_a_hanging_item():
     # the pool is healthy afterwards
     correct, stats = score_batch(["Answer: 7"], ["7"], timeout=5, fn="test_dapo:slow_checker")
     assert correct == [True] and stats["timeouts"] == 0
+
+
+# =========================================================================================
+# dapo.py part 1: the DAPO maths
+
+import math  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
+
+import dapo  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def test_import_is_cheap_and_side_effect_free():
+    code = ("import sys, dapo, torch.distributed as d; "
+            "assert 'vllm' not in sys.modules and 'transformers' not in sys.modules; "
+            "assert not d.is_initialized(); print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_group_advantages_hand_values():
+    adv = dapo.group_advantages(torch.tensor([1.0, -1.0, 1.0, 1.0, 1.0, -1.0]), group_size=3)
+    # group 1: mean 1/3, unbiased std sqrt(4/3); group 2 likewise, mirrored
+    s = math.sqrt(4 / 3) + 1e-6
+    expected = torch.tensor([2 / 3 / s, -4 / 3 / s, 2 / 3 / s, 2 / 3 / s, 2 / 3 / s, -4 / 3 / s])
+    torch.testing.assert_close(adv, expected)
+    assert dapo.group_advantages(torch.tensor([1.0, 1.0, -1.0, -1.0]), 2).abs().max() == 0  # uniform groups
+    adv = dapo.group_advantages(torch.tensor([1.0, -1.0, 1.0, 1.0]), 4)  # std 1 exactly
+    torch.testing.assert_close(adv, torch.tensor([0.5, -1.5, 0.5, 0.5]) / (1 + 1e-6))
+
+
+def test_overlong_penalty_eq13_pieces():
+    lengths = torch.tensor([0, 10, 12, 13, 14, 16, 17, 100])
+    got = dapo.overlong_penalty(lengths, max_len=16, cache_len=4)  # soft zone starts at 12
+    torch.testing.assert_close(got, torch.tensor([0, 0, 0, -0.25, -0.5, -1.0, -1.0, -1.0]))
+
+
+def test_dynamic_sampling_mask():
+    correct = torch.tensor([1, 1, 1, 0, 0, 0, 1, 0, 0, 0, 1, 1], dtype=torch.bool)
+    got = dapo.dynamic_sampling_mask(correct, group_size=3)
+    assert got.tolist() == [False, False, True, True]
+
+
+def _loss_at(ratio, adv, **kw):
+    logp = torch.tensor([[math.log(ratio)]], dtype=torch.float64, requires_grad=True)
+    old = torch.zeros(1, 1, dtype=torch.float64)
+    loss, stats = dapo.dapo_loss(logp, old, torch.tensor([adv], dtype=torch.float64), torch.ones(1, 1), **kw)
+    loss.backward()
+    return loss.item(), logp.grad.item(), stats
+
+
+@pytest.mark.parametrize("ratio, adv, loss, clipped, side", [
+    (1.28, 1.0, -1.28, False, None),      # exactly at 1 + eps_high: value r*A
+    (1.30, 1.0, -1.28, True, "high"),     # beyond: clipped value, zero gradient
+    (1.20, 1.0, -1.20, False, None),
+    (0.50, 1.0, -0.50, False, None),      # A > 0 is never clipped from below (pessimistic min)
+    (0.80, -1.0, 0.80, False, None),      # exactly at 1 - eps_low
+    (0.70, -1.0, 0.80, True, "low"),      # beyond: clipped, zero gradient
+    (1.50, -1.0, 1.50, False, None),      # A < 0 is never clipped from above
+])
+def test_clip_boundaries(ratio, adv, loss, clipped, side):
+    got, grad, stats = _loss_at(ratio, adv)
+    assert got == pytest.approx(loss, abs=1e-12)
+    assert (grad == 0) == clipped
+    assert stats["clip/high_frac"].item() == (1.0 if side == "high" else 0.0)
+    assert stats["clip/low_frac"].item() == (1.0 if side == "low" else 0.0)
+
+
+def test_clip_higher_is_asymmetric():
+    assert _loss_at(1.25, 1.0, eps_high=0.2)[1] == 0          # GRPO's symmetric clip stops at 1.2
+    assert _loss_at(1.25, 1.0, eps_high=0.28)[1] != 0         # Clip-Higher keeps learning to 1.28
+
+
+def test_dual_clip_bounds_negative_advantages():
+    assert _loss_at(20.0, -1.0)[0] == pytest.approx(20.0)
+    got, grad, _ = _loss_at(20.0, -1.0, dual_clip=10.0)
+    assert got == pytest.approx(10.0) and grad == 0
+    assert _loss_at(20.0, 1.0, dual_clip=10.0)[0] == pytest.approx(-1.28)   # A > 0 untouched
+
+
+def test_approx_kl_is_zero_on_policy():
+    logp = torch.randn(3, 5)
+    _, stats = dapo.dapo_loss(logp, logp.clone(), torch.randn(3), torch.ones(3, 5))
+    assert stats["approx_kl"].item() == 0
+
+
+def _toy_samples():
+    # three samples with EOS (id 1) at the end of each response, different lengths
+    return [{"prompt_ids": [5, 6, 7], "response_ids": [8, 9, 1], "truncated": False},
+            {"prompt_ids": [5], "response_ids": [8, 1], "truncated": False},
+            {"prompt_ids": [5, 6], "response_ids": [8, 9, 9, 9], "truncated": True}]
+
+
+def test_mask_excludes_padding_includes_eos():
+    b = dapo.collate(_toy_samples(), pad_id=1, device="cpu", overlong_filtering=False)  # pad == EOS on purpose
+    assert b["mask"].tolist() == [[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
+    assert b["targets"][0, 2].item() == 1 and b["targets"][1, 1].item() == 1   # EOS is trained on
+    assert b["input_ids"][1].tolist()[:3] == [1, 1, 5]                        # prompts are left-padded
+    assert b["position_ids"][1].tolist()[2:5] == [0, 1, 2]                   # positions as vLLM counts them
+    b = dapo.collate(_toy_samples(), pad_id=0, device="cpu", overlong_filtering=True)
+    assert b["mask"][2].sum() == 0                                            # overlong filtering
+
+
+def test_padding_never_reaches_the_loss():
+    b = dapo.collate(_toy_samples(), pad_id=0, device="cpu", overlong_filtering=False)
+    logp, old, adv = torch.randn(3, 4), torch.randn(3, 4), torch.randn(3)
+    garbage = logp.clone()
+    garbage[b["mask"] == 0] = 1e6
+    for token_level in (True, False):
+        a = dapo.dapo_loss(logp, old, adv, b["mask"], token_level=token_level)[0]
+        g = dapo.dapo_loss(garbage, old, adv, b["mask"], token_level=token_level)[0]
+        assert a.item() == g.item()
+
+
+@pytest.mark.parametrize("token_level", [True, False])
+def test_micro_batch_additivity(token_level):
+    torch.manual_seed(0)
+    B, T = 8, 12
+    lengths = torch.randint(1, T + 1, (B,))
+    mask = (torch.arange(T) < lengths[:, None]).float()
+    logp = (torch.randn(B, T, dtype=torch.float64) * 0.3 - 1).requires_grad_()
+    old = logp.detach() + torch.randn(B, T, dtype=torch.float64) * 0.3
+    adv = torch.randn(B, dtype=torch.float64)
+    full, _ = dapo.dapo_loss(logp, old, adv, mask, token_level=token_level)
+    full.backward()
+    g_full = logp.grad.clone()
+    logp.grad = None
+    total = 0.0
+    for sl in (slice(0, 3), slice(3, 4), slice(4, 8)):     # uneven micro-batches
+        part, _ = dapo.dapo_loss(logp[sl], old[sl], adv[sl], mask[sl], token_level=token_level,
+                                 num_tokens=mask.sum(), num_samples=B)
+        part.backward()
+        total += part.item()
+    assert abs(total - full.item()) < 1e-6
+    torch.testing.assert_close(logp.grad, g_full, atol=1e-6, rtol=0)
+
+
+def test_token_level_differs_from_sample_level():
+    """Sec. 3.3: with per-sample averaging a long response weighs as much as a short one, so
+    its tokens count less. Long answer A = +1 (10 tokens), short answer A = -1 (2 tokens)."""
+    mask = torch.tensor([[1.0] * 10, [1.0] * 2 + [0.0] * 8])
+    logp = torch.zeros(2, 10, requires_grad=True)
+    adv = torch.tensor([1.0, -1.0])
+    tok, _ = dapo.dapo_loss(logp, logp.detach(), adv, mask, token_level=True)
+    smp, _ = dapo.dapo_loss(logp, logp.detach(), adv, mask, token_level=False)
+    assert tok.item() == pytest.approx(-(10 - 2) / 12)
+    assert smp.item() == pytest.approx(0.0)          # the two samples cancel
+    g_tok = torch.autograd.grad(tok, logp)[0]
+    g_smp = torch.autograd.grad(smp, logp)[0]
+    assert g_tok[0, 0].item() == pytest.approx(-1 / 12)   # every token weighs 1/12
+    assert g_smp[0, 0].item() == pytest.approx(-1 / 20)   # a long sample's token weighs 1/(2*10)
+    assert g_smp[1, 0].item() == pytest.approx(1 / 4)     # a short sample's token weighs 1/(2*2)
+
+
+def test_token_logprobs_matches_log_softmax():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 37, 50, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 50, (2, 37))
+    for T in (1.0, 0.6):
+        ref = torch.log_softmax(logits / T, -1)
+        ref_lp = ref.gather(-1, targets[..., None])[..., 0]
+        ref_ent = -(ref.exp() * ref).sum(-1)
+        lp, ent = dapo.token_logprobs(logits, targets, temperature=T, chunk=8)
+        torch.testing.assert_close(lp, ref_lp.float(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(ent, ref_ent.float(), atol=1e-5, rtol=0)
+        g = torch.autograd.grad(lp.sum(), logits)[0]
+        g_ref = torch.autograd.grad(ref_lp.sum(), logits)[0]
+        torch.testing.assert_close(g, g_ref, atol=1e-5, rtol=0)
+
+
+_MEM_SCRIPT = r"""
+import resource, sys, torch, dapo
+T, V, mode = 4096, 32768, sys.argv[1]
+logits = torch.randn(1, T, V, dtype=torch.bfloat16).requires_grad_()
+targets = torch.randint(0, V, (1, T))
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+if mode == "chunked":
+    lp, _ = dapo.token_logprobs(logits, targets, chunk=512)
+else:
+    lp = torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None])[..., 0]
+lp.sum().backward()
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024)
+"""
+
+
+def test_token_logprobs_peak_memory():
+    """Peak extra memory of forward+backward on a 4096 x 32768 bf16 logits tensor (256 MiB)."""
+    peaks = {}
+    for mode in ("naive", "chunked"):
+        out = subprocess.run([sys.executable, "-c", _MEM_SCRIPT, mode], cwd=HERE, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        peaks[mode] = float(out.stdout.strip())
+    print(f"log-prob peak extra memory, T=4096 V=32768: naive fp32 {peaks['naive']:.0f} MiB, "
+          f"chunked {peaks['chunked']:.0f} MiB ({peaks['naive'] / max(peaks['chunked'], 1):.1f}x less)")
+    assert peaks["chunked"] < peaks["naive"] / 2
+
+
+# =========================================================================================
+# dapo.py part 2: rollout filling, bad input, distributed exactness and end-to-end runs
+
+def _stub_sample_fn(G, uniform=lambda i: i % 3 != 2):
+    """Groups whose correctness is decided by the prompt index: `uniform(i)` groups are all
+    correct (i % 3 == 0) or all wrong (i % 3 == 1); the others are half right."""
+    calls = []
+
+    def fn(idx, b):
+        calls.append(list(idx))
+        groups = []
+        for i in idx:
+            if uniform(i):
+                flags = [i % 3 == 0] * G
+            else:
+                flags = [k < G // 2 for k in range(G)]
+            groups.append([{"row": i, "correct": c, "response_ids": [1], "truncated": False} for c in flags])
+        return groups, {"time/rollout": 0.0}
+    return fn, calls
+
+
+def test_dynamic_sampling_drops_exactly_the_uniform_groups():
+    cfg = dapo.Config(prompts_per_step=8, group_size=4, gen_batch_size=6, max_gen_batches=10)
+    fn, calls = _stub_sample_fn(4)
+    kept, seen, stats = dapo.collect_batch(fn, dapo.Sampler(300, seed=0), cfg)
+    assert len(kept) == 8                                            # the batch fills
+    assert all(g[0]["row"] % 3 == 2 for g in kept)                  # only mixed groups are kept
+    drawn = [i for c in calls for i in c]
+    mixed = [i for i in drawn if i % 3 == 2]
+    assert [g[0]["row"] for g in kept] == mixed[:8]                 # all of them, in order; surplus dropped
+    assert stats["filter/gen_batches"] == len(calls) > 1           # it had to draw more batches
+    assert stats["filter/kept_frac"] == pytest.approx(len(mixed) / len(drawn))
+
+
+def test_dynamic_sampling_off_keeps_everything():
+    cfg = dapo.Config(prompts_per_step=8, group_size=4, gen_batch_size=6, dynamic_sampling=False)
+    fn, calls = _stub_sample_fn(4)
+    kept, _, stats = dapo.collect_batch(fn, dapo.Sampler(300, seed=0), cfg)
+    assert len(kept) == 8 and len(calls) == 1 and len(calls[0]) == 8
+
+
+def test_dynamic_sampling_gives_up_with_a_clear_error():
+    cfg = dapo.Config(prompts_per_step=8, group_size=4, gen_batch_size=6, max_gen_batches=3)
+    fn, calls = _stub_sample_fn(4, uniform=lambda i: True)
+    with pytest.raises(dapo.DapoError, match=r"kept only 0 of 8 groups after 3 generation batches") as e:
+        dapo.collect_batch(fn, dapo.Sampler(300, seed=0), cfg)
+    assert "group size" in str(e.value) and "--no-dynamic-sampling" in str(e.value)
+    assert len(calls) == 3
+
+
+def test_sampler_is_a_reproducible_endless_shuffle():
+    a, b = dapo.Sampler(10, seed=1), dapo.Sampler(10, seed=1)
+    first = a.take(10)
+    assert sorted(first) == list(range(10)) and first == b.take(10)
+    assert sorted(a.take(10)) == list(range(10)) and a.epoch == 1
+
+
+def _write_parquet(path, rows):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+def test_load_data_formats(tmp_path):
+    msgs = [{"role": "user", "content": "What is 1+1?"}]
+    p = tmp_path / "d.parquet"
+    _write_parquet(p, [{"prompt": msgs, "reward_model": {"ground_truth": "2", "style": "rule"}}] * 3)
+    assert dapo.load_data(str(p)) == [{"prompt": msgs, "answer": "2"}]          # de-duplicated
+    assert len(dapo.load_data(str(p), dedup=False)) == 3
+    j = tmp_path / "d.jsonl"
+    j.write_text('{"problem": "1+2", "answer": 3}\n\n{"prompt": "2+2", "answer": "4"}\n')
+    assert dapo.load_data(str(j)) == [{"prompt": "1+2", "answer": "3"}, {"prompt": "2+2", "answer": "4"}]
+
+
+def test_bad_data_gives_one_line_errors(tmp_path):
+    with pytest.raises(dapo.DapoError, match="data file not found"):
+        dapo.load_data(str(tmp_path / "missing.parquet"))
+    p = tmp_path / "wrong.parquet"
+    _write_parquet(p, [{"question": "1+1", "solution": "2"}])
+    with pytest.raises(dapo.DapoError, match=r"row 0: missing columns.*found \['question', 'solution'\]"):
+        dapo.load_data(str(p))
+    p = tmp_path / "empty.parquet"
+    _write_parquet(p, [{"prompt": [{"role": "user", "content": "x"}], "reward_model": {"ground_truth": " "}}])
+    with pytest.raises(dapo.DapoError, match="row 0: empty answer"):
+        dapo.load_data(str(p))
+    j = tmp_path / "bad.jsonl"
+    j.write_text('{"prompt": "1+2", "answer": 3}\n{"prompt": oops}\n')
+    with pytest.raises(dapo.DapoError, match="line 2 is not valid JSON"):
+        dapo.load_data(str(j))
+    with pytest.raises(dapo.DapoError, match="unknown data format"):
+        dapo.load_data(str(j.rename(tmp_path / "d.csv")))
+
+
+def test_unknown_model_gives_one_line_error(tmp_path):
+    with pytest.raises(dapo.DapoError, match="cannot load model 'no/such-model-here'"):
+        dapo.check_model("no/such-model-here")
+    with pytest.raises(dapo.DapoError, match="cannot load model"):
+        dapo.check_model(str(tmp_path))                        # a directory without config.json
+
+
+def test_bad_config_is_refused():
+    with pytest.raises(dapo.DapoError, match="does not split into 3 mini-batches"):
+        dapo.check_config(dapo.Config(prompts_per_step=5, group_size=2, num_mini_batches=3))
+
+
+def test_cli_error_is_one_line_without_traceback(tmp_path):
+    out = subprocess.run([sys.executable, "dapo.py", "--train-data", str(tmp_path / "nope.jsonl")],
+                         cwd=HERE, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: data file not found"), out.stderr
+
+
+def test_flags_are_generated_from_the_config():
+    cfg = dapo.parse_config(["--eps-high", "0.2", "--no-dynamic-sampling", "--model", "m", "--group-size", "4"])
+    assert cfg.eps_high == 0.2 and cfg.dynamic_sampling is False and cfg.group_size == 4
+    assert cfg.lr == 1e-6 and cfg.prompts_per_step == 512                  # the paper's defaults
+    demo = dapo.parse_config(["--lr", "1e-4"])
+    assert demo.lr == 1e-4 and demo.prompts_per_step == dapo.DEMO["prompts_per_step"]   # demo defaults
+
+
+# --- distributed exactness: 2 ranks x 2 micro-batches == 1 process x 1 batch ------------------
+
+def _grad_worker(model_dir, out_path, micro_batch_size):
+    """Run under torchrun (or alone): the gradient of one mini-batch through FSDP2."""
+    import random
+    cfg = dapo.Config(micro_batch_size=micro_batch_size, num_mini_batches=1, logprob_chunk=3,
+                      overlong_filtering=True)
+    device = dapo.init_distributed()
+    torch.manual_seed(0)
+    model = dapo.load_policy(cfg, model_dir, device)
+    rng = random.Random(0)
+    samples = []
+    for i in range(8):   # unequal lengths, one truncated sample, random advantages
+        resp = [rng.randrange(3, 20) for _ in range(rng.randint(1, 6))] + [1]
+        samples.append({"prompt_ids": [rng.randrange(3, 20) for _ in range(rng.randint(2, 5))],
+                        "response_ids": resp, "truncated": i == 5, "adv": rng.gauss(0, 1)})
+    for s in samples:   # an "old" policy a little off the current one, so clipping happens
+        s["old_logp"] = torch.tensor([rng.gauss(-3.0, 0.5) for _ in s["response_ids"]])
+    minis, plan = dapo.micro_batches(samples, cfg)
+    assert len(plan[0]) == 8 // dapo.world() // micro_batch_size
+    dapo.policy_gradient(model, minis[0], plan[0], cfg, 0, device)
+    grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+             for n, p in model.named_parameters()}
+    if dapo.rank() == 0:
+        torch.save(grads, out_path)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """The demo's model, with a very short warm-start (enough to emit the format sometimes)."""
+    path = str(tmp_path_factory.mktemp("tiny") / "model")
+    dapo.build_demo_model(path, seed=0, sft_target=0.0)
+    return path
+
+
+def _torchrun(nproc, *args, timeout=600):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    return subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, timeout=timeout)
+
+
+def test_gradient_2_ranks_x_2_micro_batches_equals_1_process(tiny_model, tmp_path):
+    one, two = str(tmp_path / "one.pt"), str(tmp_path / "two.pt")
+    out = subprocess.run([sys.executable, "test_dapo.py", "grad", tiny_model, one, "8"], cwd=HERE,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = _torchrun(2, "test_dapo.py", "grad", tiny_model, two, "2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    g1, g2 = torch.load(one), torch.load(two)
+    assert g1.keys() == g2.keys()
+    worst = max((g1[k] - g2[k]).abs().max().item() for k in g1)
+    scale = max(g1[k].abs().max().item() for k in g1)
+    print(f"max |grad(2 ranks x 2 micro) - grad(1 x 1)| = {worst:.2e} (largest grad entry {scale:.2e})")
+    assert scale > 1e-3 and worst < 1e-5
+
+
+# --- end to end: the demo, a few steps, through vLLM + FSDP2 + weight sync --------------------
+
+E2E_ARGS = ["--steps", "3", "--demo-sft-target", "0.1", "--prompts-per-step", "16", "--gen-batch-size", "24",
+            "--num-mini-batches", "2", "--micro-batch-size", "16", "--eval-samples", "2",
+            "--eval-max-prompts", "32", "--warmup-steps", "1", "--lr", "5e-4"]
+
+
+def _check_run(out_dir, stdout):
+    import json
+    from safetensors.torch import load_file
+    rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        for k, v in r.items():
+            assert math.isfinite(v), (k, v)
+        for k in ("reward/mean", "acc/mean", "filter/kept_frac", "filter/gen_batches", "clip/low_frac",
+                  "clip/high_frac", "entropy", "approx_kl", "len/mean", "len/max", "len/truncated_frac",
+                  "grad_norm", "lr", "time/rollout", "time/reward", "time/update", "time/sync", "tokens/s"):
+            assert k in r, k
+    # weight sync is exact: vLLM's log-probs of the sampled tokens equal the trainer's (steps 2, 3
+    # are generated by weights that were pushed into vLLM after an optimizer step)
+    sync = [r["sync/logp_diff_max"] for r in rows]
+    # ... and the weights moved far more than that, so stale weights in vLLM would show
+    base = load_file(os.path.join(out_dir, "base_model", "model.safetensors"))
+    final = load_file(os.path.join(out_dir, "final", "model.safetensors"))
+    moved = max((base[k] - final[k]).abs().max().item() for k in base)
+    change = _logprob_change(os.path.join(out_dir, "base_model"), os.path.join(out_dir, "final"))
+    print(f"sync/logp_diff_max per step {sync}; weights moved up to {moved:.2e}; "
+          f"log-probs moved up to {change:.2e}")
+    assert max(sync) < 1e-4
+    assert moved > 1e-3 and change > 1e-2
+    last = stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"held-out accuracy: before \d\.\d\d -> after \d\.\d\d", last), last
+
+
+def _logprob_change(a, b):
+    from transformers import AutoModelForCausalLM
+    ids = torch.tensor([[20, 5, 6, 13, 7, 8, 15, 21, 22, 18, 9, 10, 1]])
+    lp = [torch.log_softmax(AutoModelForCausalLM.from_pretrained(p).eval()(ids).logits, -1) for p in (a, b)]
+    return (lp[0] - lp[1]).abs().max().item()
+
+
+import re  # noqa: E402
+
+
+def test_end_to_end_single_process(tmp_path):
+    out = subprocess.run([sys.executable, "dapo.py", *E2E_ARGS, "--out-dir", str(tmp_path)], cwd=HERE,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    _check_run(str(tmp_path), out.stdout)
+
+
+def test_end_to_end_torchrun_2_ranks(tmp_path):
+    out = _torchrun(2, "dapo.py", *E2E_ARGS, "--out-dir", str(tmp_path), timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    _check_run(str(tmp_path), out.stdout)
+
+
+if __name__ == "__main__":  # helpers launched by the tests above (under torchrun or alone)
+    if sys.argv[1] == "grad":
+        _grad_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]))

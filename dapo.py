@@ -1,0 +1,876 @@
+"""
+dapo.py: DAPO in one file. A reference to read next to the paper, fork, and run for real.
+
+DAPO (Decoupled Clip and Dynamic sAmpling Policy Optimization, ByteDance Seed & Tsinghua AIR,
+arXiv 2503.14476) is GRPO without the KL term, plus four techniques, each one flag here:
+  1. Clip-Higher (Sec. 3.1, Eq. 10)            --eps-low 0.2 --eps-high 0.28   (GRPO: 0.2/0.2)
+  2. Dynamic sampling (Sec. 3.2, Eq. 11)        --dynamic-sampling              (drop all-right
+     and all-wrong groups, keep generating until the batch is full)
+  3. Token-level policy-gradient loss (3.3, Eq. 12) --token-level-loss          (GRPO: per sample)
+  4. Overlong reward shaping (3.4): --overlong-filtering (mask truncated samples) and
+     --soft-overlong-punishment (Eq. 13)
+Naive GRPO is: --eps-high 0.2 --no-dynamic-sampling --no-token-level-loss
+               --no-overlong-filtering --no-soft-overlong-punishment
+
+The rollout runs in vLLM inside this process; the policy is sharded with FSDP2
+(torch.distributed.fsdp.fully_shard); after every update the new weights are pushed into vLLM.
+
+    python dapo.py                                  # built-in tiny model + task, CPU, minutes
+    python dapo.py --model Qwen/Qwen2.5-0.5B --train-data dapo-math-17k.parquet \\
+        --eval-data aime-2024.parquet               # 1 GPU
+    torchrun --nproc_per_node=8 dapo.py --model ... # one 8-GPU node
+    bash run_32b.sh                                 # the paper's 32B run, multi-node
+
+File layout, in the order it runs: config -> distributed/logging helpers -> the DAPO maths
+(pure tensor functions) -> data -> the built-in demo model and task -> model, engine and
+weight sync -> rollout -> update -> the loop (Algorithm 1).
+Comment tags: `# DAPO (...)` marks a paper technique, `# PLUMBING` marks FSDP/vLLM details.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import random
+import re
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+# -----------------------------------------------------------------------------------------
+# Config: the single source of truth. Every field becomes a flag (`eps_high` -> --eps-high);
+# the comment after a field is its --help text.
+
+@dataclass
+class Config:
+    # model and data
+    model: str = ""                  # HF model dir or hub name; "" = the built-in tiny demo model
+    train_data: str = ""             # parquet (verl schema) or JSONL; "" = the built-in task
+    eval_data: str = ""              # held-out file, same formats; "" = built-in held-out split
+    dedup: bool = True               # drop repeated prompts (DAPO-Math-17k repeats each ~100x)
+    out_dir: str = "runs/dapo"       # metrics, samples and checkpoints go here
+    # rollout (paper Sec. 4.1)
+    prompts_per_step: int = 512      # N: prompts (groups) in one training batch
+    group_size: int = 16             # G: responses sampled per prompt
+    gen_batch_size: int = 1536       # prompts per generation batch (verl: 3 x 512)
+    max_gen_batches: int = 10        # give up filling one batch after this many generation batches
+    max_prompt_len: int = 2048       # longer prompts are dropped at load time
+    max_response_len: int = 20480    # L_max (Eq. 13): generation stops here (truncated)
+    temperature: float = 1.0         # sampling temperature for training rollouts
+    top_p: float = 1.0               # top-p for training rollouts
+    # DAPO techniques (each one flag; the paper's Table 1 is a set of command lines)
+    eps_low: float = 0.2             # ε_low (Eq. 10)
+    eps_high: float = 0.28           # ε_high, Clip-Higher (Sec. 3.1); 0.2 = symmetric GRPO clip
+    dynamic_sampling: bool = True    # Eq. 11: keep groups with 0 < #correct < G, refill the batch
+    token_level_loss: bool = True    # Eq. 12: normalise by all tokens; off = GRPO's per-sample mean
+    overlong_filtering: bool = True  # Sec. 3.4: mask the loss of truncated samples
+    soft_overlong_punishment: bool = True  # Eq. 13: length penalty added to the reward
+    overlong_cache_len: int = 4096   # L_cache (Eq. 13): the soft-punishment interval
+    dual_clip: float = 0.0           # c of dual-clip PPO for A < 0 (reference run: 10); 0 = off
+    # optimisation (paper Sec. 4.1)
+    lr: float = 1e-6                 # AdamW learning rate
+    warmup_steps: int = 20           # linear warm-up, in rollout steps
+    weight_decay: float = 0.1        # AdamW weight decay (reference run)
+    grad_clip: float = 1.0           # max global grad norm
+    num_mini_batches: int = 16       # μ: gradient updates per rollout step
+    micro_batch_size: int = 4        # sequences per forward/backward on one rank
+    logprob_chunk: int = 1024        # tokens per chunk of the memory-lean log-prob path
+    # engine and hardware
+    tp_size: int = 1                 # vLLM tensor-parallel size (TP groups = contiguous ranks)
+    gpu_memory_utilization: float = 0.6  # vLLM's share of GPU memory (weights + KV cache)
+    cpu_kv_cache_gb: float = 1.0     # vLLM KV cache on the CPU backend, GiB per rank
+    vllm_sleep: bool = True          # CUDA only: free vLLM's memory while training
+    reward_timeout: float = 5.0      # hard per-item limit of the answer checker, seconds
+    reward_workers: int = 2          # checker worker processes per rank
+    # run
+    steps: int = 200                 # rollout steps
+    seed: int = 0                    # everything random derives from this
+    eval_every: int = 0              # evaluate every N rollout steps (0: only before and after)
+    eval_samples: int = 4            # k of avg@k on the held-out set
+    eval_temperature: float = 1.0    # the paper's evaluation sampling
+    eval_top_p: float = 0.7          # the paper's evaluation sampling
+    eval_max_prompts: int = 0        # evaluate on at most this many held-out prompts (0: all)
+    demo_sft_target: float = 0.3     # demo only: stop the warm-start at this expected accuracy
+
+
+# The built-in demo's own settings, applied only when --model is not given (a flag given on the
+# command line still wins). A 0.5M-parameter model needs a far larger lr than a 32B one.
+DEMO = dict(prompts_per_step=64, group_size=8, gen_batch_size=96, max_prompt_len=16,
+            max_response_len=8, overlong_cache_len=2, lr=2e-4, warmup_steps=20,
+            num_mini_batches=2, micro_batch_size=256, steps=300, eval_every=50, eval_samples=4,
+            eval_top_p=1.0, out_dir="runs/demo")
+
+
+def parse_config(argv=None):
+    """Flags generated from Config; the comment after each field is its help."""
+    import argparse
+    import inspect
+    helps = dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", inspect.getsource(Config), re.M))
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in dataclasses.fields(Config):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type is bool or isinstance(f.default, bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=helps.get(f.name))
+        else:
+            p.add_argument(flag, type=type(f.default), default=None, help=helps.get(f.name))
+    given = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
+    cfg = Config(**given)
+    if not cfg.model:  # the embedded default: demo settings unless given explicitly
+        for k, v in DEMO.items():
+            if k not in given:
+                setattr(cfg, k, v)
+    return cfg
+
+
+class DapoError(Exception):
+    """A problem with the user's input or set-up; main() prints it as one line."""
+
+
+# -----------------------------------------------------------------------------------------
+# Distributed and logging helpers
+
+def rank():
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def world():
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def print0(*a, **k):
+    if rank() == 0:
+        print(*a, **k, flush=True)
+
+
+def init_distributed():
+    """torchrun sets RANK/WORLD_SIZE/...; plain `python dapo.py` becomes a world of one."""
+    if "RANK" not in os.environ:  # PLUMBING: vLLM's external_launcher reads these too
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        backend = "gloo"
+    torch.distributed.init_process_group(backend)
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def all_gather_objects(obj):
+    out = [None] * world()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+# -----------------------------------------------------------------------------------------
+# The DAPO maths: pure functions, tensors in, tensors out.
+
+def group_advantages(rewards, group_size, eps=1e-6):
+    """Eq. 9: A_i = (R_i - mean(R_group)) / (std(R_group) + eps), unbiased std.
+    rewards: (B,) with groups as contiguous blocks of group_size -> (B,). Uniform groups get 0."""
+    r = rewards.view(-1, group_size).float()
+    adv = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True, unbiased=True) + eps)
+    return adv.view(-1)
+
+
+def overlong_penalty(lengths, max_len, cache_len):
+    """Eq. 13, soft overlong punishment: lengths (B,) -> (B,) penalty added to the reward.
+    0 for |y| <= L_max - L_cache; ((L_max - L_cache) - |y|) / L_cache up to L_max; -1 beyond."""
+    lengths = lengths.float()
+    soft = ((max_len - cache_len) - lengths) / cache_len
+    return torch.where(lengths > max_len, torch.full_like(lengths, -1.0), soft.clamp(max=0.0))
+
+
+def dynamic_sampling_mask(correct, group_size):
+    """Eq. 11's constraint 0 < |{o_i : is_equivalent(a, o_i)}| < G.
+    correct: (B,) bool -> (B // G,) bool, True for groups worth training on."""
+    n = correct.view(-1, group_size).sum(1)
+    return (n > 0) & (n < group_size)
+
+
+def dapo_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.28, num_tokens=None,
+              token_level=True, num_samples=None, dual_clip=0.0):
+    """Eq. 10/12, the decoupled-clip surrogate, as a loss to minimise.
+
+    logp, old_logp, mask: (B, T); advantages: (B,) or (B, T).
+      per token: l = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), r = exp(logp - old_logp)
+      token_level (DAPO, Eq. 12): loss = sum(l * mask) / num_tokens
+      sample level (GRPO):        loss = sum_i (sum_t l_it mask_it / |o_i|) / num_samples
+    num_tokens / num_samples default to this batch's; pass the global counts (all micro-batches,
+    all ranks) and the per-micro-batch losses add up exactly to the full-batch loss.
+    dual_clip = c > 1 also bounds the loss of A < 0 tokens at -c A (dual-clip PPO); 0 = off.
+    Returns (loss, stats) with stats: clip/low_frac, clip/high_frac, approx_kl (token means).
+    """
+    mask = mask.float()
+    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+    log_ratio = torch.where(mask.bool(), logp - old_logp, 0.0)  # padding never reaches exp()
+    ratio = torch.exp(log_ratio)
+    surr1 = ratio * adv
+    surr2 = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv
+    per_token = -torch.min(surr1, surr2)
+    if dual_clip:
+        per_token = torch.where(adv < 0, torch.minimum(per_token, -dual_clip * adv), per_token)
+    if token_level:  # DAPO (token-level loss): every token weighs the same
+        n = mask.sum() if num_tokens is None else num_tokens
+        loss = (per_token * mask).sum() / max(float(n), 1.0)
+    else:  # GRPO: each sample weighs the same, whatever its length
+        per_sample = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        n = mask.shape[0] if num_samples is None else num_samples
+        loss = per_sample.sum() / max(float(n), 1.0)
+    with torch.no_grad():  # where the clip is active (the gradient is zero there)
+        m, cnt = mask, mask.sum().clamp(min=1)
+        stats = {
+            "clip/low_frac": (((ratio < 1 - eps_low) & (adv < 0)).float() * m).sum() / cnt,
+            "clip/high_frac": (((ratio > 1 + eps_high) & (adv > 0)).float() * m).sum() / cnt,
+            "approx_kl": ((ratio - 1 - log_ratio) * m).sum() / cnt,  # k3 estimator of KL(old||new)
+        }
+    return loss, stats
+
+
+def _chunk_logprobs(logits, targets, temperature):
+    x = logits.float() / temperature
+    lse = torch.logsumexp(x, -1)
+    logp = x.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    with torch.no_grad():  # entropy is monitored, not trained on
+        ent = lse - (torch.softmax(x, -1) * x).sum(-1)
+    return logp, ent
+
+
+def token_logprobs(logits, targets, temperature=1.0, chunk=1024):
+    """log softmax(logits / T)[targets] and the entropy, without a float32 (B, T, V) tensor.
+
+    logits: (B, T, V) in any dtype, targets: (B, T) -> two (B, T) float32 tensors.
+    Works on `chunk` positions at a time; under autograd each chunk is checkpointed, so only
+    the input logits are kept and the fp32 chunk is recomputed in backward. At 20k tokens and a
+    152k vocabulary the full fp32 log-softmax would be ~12 GB per sequence."""
+    from torch.utils.checkpoint import checkpoint
+    lps, ents = [], []
+    for s in range(0, logits.shape[1], chunk):
+        lg, tg = logits[:, s:s + chunk], targets[:, s:s + chunk]
+        if torch.is_grad_enabled() and lg.requires_grad:
+            lp, ent = checkpoint(_chunk_logprobs, lg, tg, temperature, use_reentrant=False)
+        else:
+            lp, ent = _chunk_logprobs(lg, tg, temperature)
+        lps.append(lp)
+        ents.append(ent)
+    return torch.cat(lps, 1), torch.cat(ents, 1)
+
+
+# -----------------------------------------------------------------------------------------
+# Data: DAPO-Math-17k / AIME-2024 parquet (verl schema) or JSONL, as [{"prompt", "answer"}]
+
+def load_data(path, dedup=True):
+    """Rows of {"prompt": str | chat messages, "answer": str}. Errors name the problem and fix."""
+    if not os.path.exists(path):
+        raise DapoError(f"data file not found: {path} (give a .parquet or .jsonl path)")
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except Exception as e:
+            raise DapoError(f"cannot read parquet file {path}: {str(e).splitlines()[0]}")
+    elif path.endswith((".jsonl", ".json")):
+        rows = []
+        with open(path) as f:
+            for i, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise DapoError(f"{path} line {i} is not valid JSON ({e.msg})")
+    else:
+        raise DapoError(f"unknown data format: {path} (use .parquet in the verl schema or .jsonl)")
+    if not rows:
+        raise DapoError(f"{path} has no rows")
+    out, seen = [], set()
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise DapoError(f"{path} row {i}: expected an object, got {type(row).__name__}")
+        prompt = row.get("prompt", row.get("problem"))
+        answer = (row.get("reward_model") or {}).get("ground_truth") if "reward_model" in row else row.get("answer")
+        if prompt is None or answer is None:
+            raise DapoError(f"{path} row {i}: missing columns; need `prompt` (chat messages) and "
+                            f"`reward_model.ground_truth` (verl parquet), or `prompt`/`problem` and "
+                            f"`answer` (JSONL); found {sorted(row)}")
+        answer = str(answer).strip()
+        if not answer:
+            raise DapoError(f"{path} row {i}: empty answer")
+        if isinstance(prompt, list) and not all(isinstance(m, dict) and "content" in m for m in prompt):
+            raise DapoError(f"{path} row {i}: `prompt` must be a string or a list of {{role, content}} messages")
+        key = json.dumps(prompt, sort_keys=True)
+        if dedup and key in seen:
+            continue
+        seen.add(key)
+        out.append({"prompt": prompt, "answer": answer})
+    return out
+
+
+def encode_prompt(tokenizer, prompt):
+    """Token ids of a prompt; the chat template is applied when the tokenizer has one."""
+    msgs = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    else:
+        text = "\n".join(m["content"] for m in msgs)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+class Sampler:
+    """Endless shuffled pass over the prompts: epoch e is permutation(seed + e). The state
+    (epoch, pos) is all that resume needs to continue the same data order."""
+
+    def __init__(self, n, seed):
+        self.n, self.seed, self.epoch, self.pos = n, seed, 0, 0
+        self._perm = self._make()
+
+    def _make(self):
+        return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+
+    def take(self, k):
+        out = []
+        while len(out) < k:
+            if self.pos == self.n:
+                self.epoch, self.pos = self.epoch + 1, 0
+                self._perm = self._make()
+            out.append(self._perm[self.pos])
+            self.pos += 1
+        return out
+
+
+# -----------------------------------------------------------------------------------------
+# The built-in demo: a tiny Qwen2 model, a tokenizer built in code and 2-digit addition
+# prompts in the DAPO template. Everything is made on the fly, no download.
+
+DAPO_HEAD = ("Solve the following math problem step by step. The last line of your response should "
+             "be of the form Answer: $Answer (without quotes) where $Answer is the answer to the "
+             "problem.\n\n")
+DAPO_TAIL = "\n\nRemember to put your answer on its own line after \"Answer:\"."
+
+
+def demo_task(seed=0, n_heldout=300):
+    """a+b with a, b in 10..99 (8,100 problems); returns (train, held_out) rows."""
+    rows = [{"prompt": f"{DAPO_HEAD}{a}+{b}={DAPO_TAIL}", "answer": str(a + b)}
+            for a in range(10, 100) for b in range(10, 100)]
+    random.Random(seed).shuffle(rows)
+    return rows[n_heldout:], rows[:n_heldout]
+
+
+def build_demo_model(path, seed=0, sft_target=0.3, max_sft_steps=400):
+    """Save a tiny Qwen2 (2 layers, hidden 128, head_dim 64: the CPU backend needs >= 64) and its
+    tokenizer to `path`, after a short supervised warm-start on the training split.
+
+    NOT DAPO: a random model cannot follow the `Answer: <n>` format, so this stands in for
+    pretraining. It stops once the expected accuracy at T = 1 on training prompts (the mean
+    probability of the exact answer string, computed by teacher forcing) reaches sft_target."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    # Character-level, written in the byte-level form Qwen2's tokenizer class expects (space is
+    # "Ġ", newline "Ċ"), since AutoTokenizer rebuilds a qwen2 model's tokenizer that way.
+    specials = ["<|pad|>", "<|endoftext|>", "<|unk|>"]
+    chars = list("0123456789+-=:.") + ["Ġ", "Ċ"]
+    vocab = {t: i for i, t in enumerate(specials + chars)}
+    tok = Tokenizer(models.BPE(vocab, merges=[], unk_token="<|unk|>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    # The template's fixed text and "Answer:" are single tokens, so prompts stay ~10 tokens.
+    tok.add_tokens([DAPO_HEAD, DAPO_TAIL, "Answer:"])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                        pad_token="<|pad|>", unk_token="<|unk|>")
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=32, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, head_dim=64,
+                         max_position_embeddings=64, tie_word_embeddings=True,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=tokenizer.eos_token_id, dtype="float32")
+    assert len(tokenizer) <= config.vocab_size
+    model = Qwen2ForCausalLM(config)
+    train, _ = demo_task(seed)
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def batch(rows):
+        p = [encode_prompt(tokenizer, r["prompt"]) for r in rows]
+        a = [tokenizer(f"Answer: {r['answer']}", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for r in rows]
+        T = max(len(x) + len(y) for x, y in zip(p, a))  # right-pad; pads are masked out
+        ids = torch.tensor([x + y + [tokenizer.pad_token_id] * (T - len(x) - len(y)) for x, y in zip(p, a)])
+        mask = torch.tensor([[0] * len(x) + [1] * len(y) + [0] * (T - len(x) - len(y)) for x, y in zip(p, a)])
+        return ids, mask
+
+    dev_ids, dev_mask = batch(train[:256])
+    for step in range(max_sft_steps):
+        with torch.no_grad():  # exact expected accuracy of sampling at T = 1
+            lp = token_logprobs(model(dev_ids).logits[:, :-1], dev_ids[:, 1:])[0]
+            acc = torch.exp((lp * dev_mask[:, 1:]).sum(1)).mean().item()
+        if acc >= sft_target:
+            break
+        idx = torch.randint(len(train), (128,), generator=g).tolist()
+        ids, mask = batch([train[i] for i in idx])
+        logits = model(ids).logits[:, :-1]
+        loss = (F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none") * mask[:, 1:]).sum() / mask.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return {"sft_steps": step, "sft_expected_acc": acc}
+
+
+# -----------------------------------------------------------------------------------------
+# Model, engine and weight sync (PLUMBING: FSDP2 and vLLM)
+
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM 0.32 CPU attention
+
+
+def check_model(path):
+    """Fail early, in one line, on a model neither transformers nor vLLM could load."""
+    from transformers import AutoConfig
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as e:
+        raise DapoError(f"cannot load model '{path}': not a local model directory with config.json and "
+                        f"not in the Hugging Face cache ({str(e).splitlines()[0][:200]})")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if not torch.cuda.is_available() and head_dim not in CPU_HEAD_DIMS:
+        raise DapoError(f"model '{path}' has head_dim={head_dim}, which vLLM's CPU backend does not "
+                        f"support (use one of {CPU_HEAD_DIMS}, or run on a GPU)")
+    return config
+
+
+def load_policy(cfg, path, device):
+    """The trainable policy, sharded with FSDP2: each decoder layer, then the root.
+    On GPU: fp32 master weights, bf16 compute, fp32 gradient reduction."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    model.config.use_cache = False
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else MixedPrecisionPolicy()
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model.to(device)
+
+
+def start_engine(cfg, path, device):
+    """vLLM inside this process. external_launcher reuses torchrun's process group; every rank
+    builds its engine at the same time, and TP groups are contiguous ranks."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # set it to INFO to see the engine's log
+    from vllm import LLM
+    kw = {}
+    if device.type == "cuda":
+        kw.update(gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.vllm_sleep)
+    else:  # PLUMBING: otherwise the CPU backend takes a fraction of RAM per rank
+        kw.update(kv_cache_memory_bytes=int(cfg.cpu_kv_cache_gb * 2**30))
+    try:
+        llm = LLM(model=path, dtype="bfloat16" if device.type == "cuda" else "float32",
+                  tensor_parallel_size=cfg.tp_size, distributed_executor_backend="external_launcher",
+                  max_model_len=cfg.max_prompt_len + cfg.max_response_len, seed=cfg.seed,
+                  logprobs_mode="processed_logprobs",  # log-probs at the sampling temperature
+                  enable_prefix_caching=True, enforce_eager=True, **kw)
+    except Exception as e:
+        raise DapoError(f"vLLM could not start on model '{path}': {str(e).splitlines()[0][:300]}")
+    return llm
+
+
+def sync_weights(model, llm):
+    """Push the trained weights into vLLM: ONE reload_weights call carrying every tensor, then
+    drop the prefix cache. state_dict() (not named_parameters()) so that a tied lm_head is
+    included; one call per tensor would corrupt vLLM's fused qkv/gate_up layers."""
+    dtype = llm.llm_engine.model_config.dtype
+
+    def stream():
+        for name, t in model.state_dict().items():
+            t = t.full_tensor() if hasattr(t, "full_tensor") else t  # PLUMBING: gathers FSDP shards
+            yield name, t.to(dtype)
+
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})
+    llm.reset_prefix_cache()
+
+
+def save_hf(model, tokenizer, path):
+    """The policy as a Hugging Face checkpoint (safetensors + config + tokenizer) that
+    transformers and vLLM load directly. Every rank takes part in gathering; rank 0 writes."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank() == 0:
+        if model.config.tie_word_embeddings:
+            sd.pop("lm_head.weight", None)  # tied: stored once, as the embedding
+        os.makedirs(path, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(path, "model.safetensors"),
+                  metadata={"format": "pt"})
+        model.config.save_pretrained(path)
+        model.generation_config.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    torch.distributed.barrier()
+
+
+# -----------------------------------------------------------------------------------------
+# Rollout: generate with vLLM, score with reward.py, then dynamic sampling
+
+def request_seed(*key):
+    """Per-request sampling seed from (seed, step, batch, prompt index): rollouts reproduce
+    exactly, TP ranks agree, and different prompts never share a seed."""
+    return random.Random("-".join(map(str, key))).getrandbits(31)
+
+
+def sample_groups(llm, tokenizer, rows, prompt_ids, idx, cfg, n, temperature, top_p, key):
+    """n responses for each prompt rows[i], i in idx, split across data-parallel groups of
+    vLLM; every rank gets all groups back, in order. A sample is a dict (see below)."""
+    import reward
+    from vllm import SamplingParams
+    dp_rank, dp_size = rank() // cfg.tp_size, world() // cfg.tp_size
+    mine = list(range(dp_rank, len(idx), dp_size))  # TP ranks of one group share prompts and seeds
+    params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=cfg.max_response_len,
+                             logprobs=0, seed=request_seed(*key, idx[j])) for j in mine]
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": prompt_ids[idx[j]]} for j in mine], params, use_tqdm=False) if mine else []
+    t1 = time.perf_counter()
+    samples = []
+    for j, out in zip(mine, outs):
+        for o in out.outputs:
+            ids = list(o.token_ids)
+            samples.append({"pos": j, "row": idx[j], "prompt_ids": prompt_ids[idx[j]], "response_ids": ids,
+                            "vllm_logp": [lp[t].logprob for lp, t in zip(o.logprobs, ids)],
+                            "truncated": o.finish_reason == "length",
+                            "text": tokenizer.decode(ids, skip_special_tokens=True)})
+    correct, rstats = reward.score_batch([s["text"] for s in samples], [rows[s["row"]]["answer"] for s in samples],
+                                         timeout=cfg.reward_timeout, num_workers=cfg.reward_workers)
+    for s, c in zip(samples, correct):
+        s["correct"] = c
+    t2 = time.perf_counter()
+    times = {"time/rollout": t1 - t0, "time/reward": t2 - t1, "reward/timeouts": rstats["timeouts"]}
+    # PLUMBING: everyone gets everything; the first rank of each TP group speaks for it
+    gathered = all_gather_objects((samples, times) if rank() % cfg.tp_size == 0 else ([], {}))
+    by_pos = {}  # by position in idx, not by row: a prompt may be drawn twice in one batch
+    for part, _ in gathered:
+        for s in part:
+            by_pos.setdefault(s["pos"], []).append(s)
+    times = {k: max(t.get(k, 0) for _, t in gathered) for k in times}
+    times["reward/timeouts"] = sum(t.get("reward/timeouts", 0) for _, t in gathered)
+    return [by_pos[j] for j in range(len(idx))], times
+
+
+def shape_rewards(samples, cfg):
+    """Eq. 7 (+1 correct, -1 otherwise) plus, with soft overlong punishment, Eq. 13."""
+    r = torch.tensor([1.0 if s["correct"] else -1.0 for s in samples])
+    if cfg.soft_overlong_punishment:  # DAPO (soft overlong punishment, Eq. 13)
+        lengths = torch.tensor([len(s["response_ids"]) for s in samples])
+        r = r + overlong_penalty(lengths, cfg.max_response_len, cfg.overlong_cache_len)
+    return r
+
+
+def collect_batch(sample_fn, sampler, cfg):
+    """Algorithm 1, lines 3-8: sample generation batches until N groups pass the dynamic
+    sampling filter; surplus groups are dropped. sample_fn(prompt indices, batch no) returns
+    groups of samples with a bool "correct". Returns (kept groups, all groups, stats)."""
+    G, N = cfg.group_size, cfg.prompts_per_step
+    kept, seen, times = [], [], {}
+    for b in range(cfg.max_gen_batches):
+        groups, t = sample_fn(sampler.take(cfg.gen_batch_size if cfg.dynamic_sampling else N), b)
+        times = {k: times.get(k, 0) + v for k, v in t.items()}
+        seen += groups
+        if cfg.dynamic_sampling:  # DAPO (dynamic sampling, Eq. 11): filter on accuracy, not on shaped reward
+            correct = torch.tensor([s["correct"] for g in groups for s in g])
+            keep = dynamic_sampling_mask(correct, G).tolist()
+            kept += [g for g, k in zip(groups, keep) if k]
+        else:
+            kept += groups
+        if len(kept) >= N:
+            stats = {"filter/kept_frac": sum(1 for g in seen if 0 < sum(s["correct"] for s in g) < G) / len(seen),
+                     "filter/gen_batches": b + 1, **times}
+            return kept[:N], seen, stats
+    n_all = sum(1 for g in seen if all(s["correct"] for s in g))
+    n_none = sum(1 for g in seen if not any(s["correct"] for s in g))
+    raise DapoError(
+        f"dynamic sampling kept only {len(kept)} of {N} groups after {cfg.max_gen_batches} generation "
+        f"batches ({len(seen)} groups: {n_all} all correct, {n_none} all wrong). The data is too "
+        f"{'easy' if n_all > n_none else 'hard'} for this model, or the group size G={G} is too small: "
+        f"change the data or model, raise --group-size, --gen-batch-size or --max-gen-batches, "
+        f"or pass --no-dynamic-sampling")
+
+
+# -----------------------------------------------------------------------------------------
+# Update: old log-probs, then μ gradient steps with the exact token-level normaliser
+
+def collate(samples, pad_id, device, overlong_filtering):
+    """Left-padded prompts, right-padded responses, so every response starts at column P.
+    mask covers each response token including EOS (never derived from pad ids)."""
+    P = max(len(s["prompt_ids"]) for s in samples)
+    R = max(len(s["response_ids"]) for s in samples)
+    ids = torch.full((len(samples), P + R), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, s in enumerate(samples):
+        p, r = s["prompt_ids"], s["response_ids"]
+        ids[i, P - len(p):P] = torch.tensor(p)
+        ids[i, P:P + len(r)] = torch.tensor(r)
+        attn[i, P - len(p):P + len(r)] = 1
+    mask = attn[:, P:].clone().float()
+    if overlong_filtering:  # DAPO (overlong filtering, Sec. 3.4): truncated samples teach nothing
+        mask[torch.tensor([s["truncated"] for s in samples])] = 0.0
+    return {"input_ids": ids.to(device), "attention_mask": attn.to(device),
+            "position_ids": (attn.cumsum(1) - 1).clamp(min=0).to(device),  # as vLLM numbers them
+            "targets": ids[:, P:].to(device), "mask": mask.to(device)}
+
+
+def forward_logprobs(model, batch, temperature, chunk):
+    """(B, R) log-probs and entropies of the response tokens at the sampling temperature."""
+    R = batch["targets"].shape[1]
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=batch["position_ids"], logits_to_keep=R + 1).logits[:, :-1]
+    return token_logprobs(logits, batch["targets"], temperature, chunk)
+
+
+def micro_batches(samples, cfg):
+    """This rank's part of each of the μ mini-batches, cut into micro-batches."""
+    size = len(samples) // cfg.num_mini_batches
+    minis = [samples[m * size:(m + 1) * size] for m in range(cfg.num_mini_batches)]
+    shares = [mini[rank()::world()] for mini in minis]
+    return minis, [[s[j:j + cfg.micro_batch_size] for j in range(0, len(s), cfg.micro_batch_size)] for s in shares]
+
+
+def old_logprobs(model, plan, cfg, pad_id, device):
+    """π_θold: log-probs of the policy that generated the batch, recomputed by the trainer
+    before any update (stored per sample as "old_logp")."""
+    with torch.no_grad():
+        for micros in plan:
+            for mb in micros:
+                b = collate(mb, pad_id, device, False)
+                lp, _ = forward_logprobs(model, b, cfg.temperature, cfg.logprob_chunk)
+                for s, row, n in zip(mb, lp, b["mask"].sum(1).long().tolist()):
+                    s["old_logp"] = row[:n].cpu()
+
+
+def policy_gradient(model, mini, micros, cfg, pad_id, device):
+    """Accumulate the gradient of Eq. 12 for one mini-batch (`mini`: all ranks' samples;
+    `micros`: this rank's micro-batches). Returns local sums for the statistics."""
+    # DAPO (token-level loss): the normaliser is this mini-batch's token count over ALL
+    # micro-batches and ranks, so the per-micro-batch losses add up to Eq. 12 exactly.
+    lens = [0 if (cfg.overlong_filtering and s["truncated"]) else len(s["response_ids"]) for s in mini]
+    num_tokens, num_samples = sum(lens), sum(1 for n in lens if n)
+    sums = torch.zeros(6, dtype=torch.float64)
+    for mb in micros:
+        b = collate(mb, pad_id, device, cfg.overlong_filtering)
+        logp, ent = forward_logprobs(model, b, cfg.temperature, cfg.logprob_chunk)
+        old = torch.zeros_like(logp)
+        for i, s in enumerate(mb):
+            old[i, :len(s["old_logp"])] = s["old_logp"].to(device)
+        adv = torch.tensor([s["adv"] for s in mb], device=device)
+        loss, st = dapo_loss(logp, old, adv, b["mask"], cfg.eps_low, cfg.eps_high, num_tokens=num_tokens,
+                             token_level=cfg.token_level_loss, num_samples=num_samples, dual_clip=cfg.dual_clip)
+        (loss * world()).backward()  # PLUMBING: FSDP2 averages gradients over ranks; Eq. 12 wants the sum
+        n = b["mask"].sum().item()
+        sums += torch.tensor([n, st["clip/low_frac"] * n, st["clip/high_frac"] * n, st["approx_kl"] * n,
+                              (ent * b["mask"]).sum().item(), loss.item()], dtype=torch.float64)
+    return sums
+
+
+def update_policy(model, opt, samples, cfg, pad_id, device):
+    """μ = num_mini_batches AdamW steps on the training batch (each sample carries "adv").
+    Returns the statistics, reduced over ranks."""
+    minis, plan = micro_batches(samples, cfg)
+    old_logprobs(model, plan, cfg, pad_id, device)
+    sums, grad_norms = torch.zeros(6, dtype=torch.float64), []
+    for mini, micros in zip(minis, plan):
+        opt.zero_grad(set_to_none=True)
+        sums += policy_gradient(model, mini, micros, cfg, pad_id, device)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        grad_norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        opt.step()
+    torch.distributed.all_reduce(sums)
+    # vLLM's log-probs against the trainer's for the same tokens and weights: a broken weight
+    # sync shows up here (it measured 1e-6 on CPU; bf16 on GPU is looser)
+    diffs = [float((torch.tensor(s["vllm_logp"]) - s["old_logp"]).abs().max())
+             for micros in plan for mb in micros for s in mb if s["response_ids"]]
+    diff = torch.tensor(max(diffs, default=0.0))
+    torch.distributed.all_reduce(diff, op=torch.distributed.ReduceOp.MAX)
+    n = max(sums[0].item(), 1.0)
+    return {"loss": sums[5].item() / cfg.num_mini_batches, "clip/low_frac": sums[1].item() / n,
+            "clip/high_frac": sums[2].item() / n, "approx_kl": sums[3].item() / n, "entropy": sums[4].item() / n,
+            "grad_norm": sum(grad_norms) / len(grad_norms), "sync/logp_diff_max": diff.item()}
+
+
+# -----------------------------------------------------------------------------------------
+# Evaluation: avg@k, pass@k and maj@k (the paper's cons@k) with the same in-process engine
+
+def pass_at_k(n, c, k):
+    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k)."""
+    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def evaluate(llm, tokenizer, rows, prompt_ids, cfg, tag):
+    """Sample k = eval_samples responses per held-out prompt (split across ranks) and score them."""
+    import reward
+    from collections import Counter
+    k = cfg.eval_samples
+    idx = list(range(len(rows) if not cfg.eval_max_prompts else min(len(rows), cfg.eval_max_prompts)))
+    groups, _ = sample_groups(llm, tokenizer, rows, prompt_ids, idx, cfg, k, cfg.eval_temperature,
+                              cfg.eval_top_p, (cfg.seed, "eval", tag))
+    avg, pas, maj = [], [], []
+    for i, g in zip(idx, groups):
+        c = sum(s["correct"] for s in g)
+        avg.append(c / k)
+        pas.append(pass_at_k(k, c, k))
+        answers = [a for a in (reward.extract_answer(s["text"]) for s in g) if a is not None]
+        top = Counter(answers).most_common(1)
+        maj.append(float(bool(top) and reward.is_equivalent(top[0][0], rows[i]["answer"])))
+    n = len(idx)
+    return {f"eval/avg@{k}": sum(avg) / n, f"eval/pass@{k}": sum(pas) / n, f"eval/maj@{k}": sum(maj) / n}
+
+
+# -----------------------------------------------------------------------------------------
+# The loop: paper Algorithm 1
+
+def check_config(cfg):
+    ws = int(os.environ.get("WORLD_SIZE", "1"))
+    problems = []
+    if ws % cfg.tp_size:
+        problems.append(f"--tp-size {cfg.tp_size} does not divide the {ws} ranks")
+    if (cfg.prompts_per_step * cfg.group_size) % (cfg.num_mini_batches * ws):
+        problems.append(f"the batch of {cfg.prompts_per_step} x {cfg.group_size} responses does not split "
+                        f"into {cfg.num_mini_batches} mini-batches x {ws} ranks")
+    if cfg.group_size < 2:
+        problems.append("--group-size must be at least 2 (Eq. 9 needs a group)")
+    if cfg.soft_overlong_punishment and not 0 < cfg.overlong_cache_len < cfg.max_response_len:
+        problems.append("--overlong-cache-len must lie between 0 and --max-response-len")
+    if problems:
+        raise DapoError("; ".join(problems))
+
+
+def prepare_data(cfg, tokenizer):
+    """(train rows, eval rows) and their prompt token ids; over-long prompts are dropped."""
+    if cfg.train_data:
+        train = load_data(cfg.train_data, cfg.dedup)
+        held = load_data(cfg.eval_data, cfg.dedup) if cfg.eval_data else []
+    else:
+        train, held = demo_task(cfg.seed)
+        if cfg.eval_data:
+            held = load_data(cfg.eval_data, cfg.dedup)
+    out = []
+    for name, rows in (("train", train), ("eval", held)):
+        ids = [encode_prompt(tokenizer, r["prompt"]) for r in rows]
+        keep = [i for i, x in enumerate(ids) if len(x) <= cfg.max_prompt_len]
+        if len(keep) < len(rows):
+            print0(f"{name}: dropped {len(rows) - len(keep)} prompts longer than --max-prompt-len {cfg.max_prompt_len}")
+        if rows and not keep:
+            raise DapoError(f"every {name} prompt is longer than --max-prompt-len {cfg.max_prompt_len}")
+        out += [[rows[i] for i in keep], [ids[i] for i in keep]]
+    return out
+
+
+def train(cfg):
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+    check_config(cfg)
+    if cfg.model:
+        check_model(cfg.model)
+    for f in (cfg.train_data, cfg.eval_data):
+        if f and not os.path.exists(f):
+            raise DapoError(f"data file not found: {f} (give a .parquet or .jsonl path)")
+    device = init_distributed()
+    path = cfg.model
+    if not path:  # the embedded default: build the tiny model once, on rank 0
+        path = os.path.join(cfg.out_dir, "base_model")
+        if rank() == 0:
+            t = time.perf_counter()
+            info = build_demo_model(path, cfg.seed, cfg.demo_sft_target)
+            print0(f"built-in demo model: supervised warm-start (not DAPO) for {info['sft_steps']} steps "
+                   f"in {time.perf_counter() - t:.0f} s, expected accuracy {info['sft_expected_acc']:.2f}")
+        torch.distributed.barrier()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    train_rows, train_ids, eval_rows, eval_ids = prepare_data(cfg, tokenizer)
+    llm = start_engine(cfg, path, device)
+    random.seed(cfg.seed + rank())  # PLUMBING: constructing LLM re-seeds the global RNGs; seed after it
+    torch.manual_seed(cfg.seed)      # the same on every rank: identical initial replicas
+    model = load_policy(cfg, path, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    log = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "w") if rank() == 0 else None
+    sampler = Sampler(len(train_rows), cfg.seed)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def run_eval(tag):
+        if not eval_rows:
+            return {}
+        m = evaluate(llm, tokenizer, eval_rows, eval_ids, cfg, tag)
+        print0(f"eval ({tag}): " + "  ".join(f"{k} {v:.3f}" for k, v in m.items()))
+        return m
+
+    first = run_eval("before")
+    last = first
+    bar = tqdm(range(cfg.steps), desc="DAPO", disable=rank() != 0, dynamic_ncols=True)
+    for step in bar:
+        t0 = time.perf_counter()
+        # 1. Sample, reward, filter: keep drawing generation batches until N groups are kept.
+        sample_fn = lambda idx, b: sample_groups(llm, tokenizer, train_rows, train_ids, idx, cfg, cfg.group_size,
+                                                 cfg.temperature, cfg.top_p, (cfg.seed, step, b))
+        kept, seen, m = collect_batch(sample_fn, sampler, cfg)
+        # 2. Advantages (Eq. 9) from the shaped rewards of the kept groups.
+        samples = [s for g in kept for s in g]
+        for s, a in zip(samples, group_advantages(shape_rewards(samples, cfg), cfg.group_size).tolist()):
+            s["adv"] = a
+        # 3. μ gradient updates, with linear warm-up over rollout steps.
+        lr = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        if device.type == "cuda" and cfg.vllm_sleep:
+            llm.sleep(level=2)  # PLUMBING: free the KV cache and vLLM's weights while training
+        t1 = time.perf_counter()
+        m.update(update_policy(model, opt, samples, cfg, pad_id, device))
+        t2 = time.perf_counter()
+        # 4. Push the new weights into vLLM.
+        if device.type == "cuda" and cfg.vllm_sleep:
+            llm.wake_up(tags=["weights"])
+        sync_weights(model, llm)
+        if device.type == "cuda" and cfg.vllm_sleep:
+            llm.wake_up()
+        t3 = time.perf_counter()
+        # 5. Log.
+        every = [s for g in seen for s in g]
+        lens = [len(s["response_ids"]) for s in every]
+        m.update({"step": step + 1, "reward/mean": shape_rewards(every, cfg).mean().item(),
+                  "acc/mean": sum(s["correct"] for s in every) / len(every),
+                  "len/mean": sum(lens) / len(lens), "len/max": max(lens),
+                  "len/truncated_frac": sum(s["truncated"] for s in every) / len(every), "lr": lr,
+                  "time/update": t2 - t1, "time/sync": t3 - t2, "time/step": t3 - t0,
+                  "tokens/s": (sum(lens) + sum(len(s["prompt_ids"]) for s in every)) / (t3 - t0)})
+        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+            m.update(run_eval(f"step {step + 1}"))
+        if rank() == 0:
+            log.write(json.dumps(m) + "\n")
+            log.flush()
+            bar.set_postfix({"acc": f"{m['acc/mean']:.2f}", "kept": f"{m['filter/kept_frac']:.2f}"})
+            bar.write(f"step {step + 1:4d}  acc {m['acc/mean']:.3f}  reward {m['reward/mean']:+.3f}  "
+                      f"kept {m['filter/kept_frac']:.2f} ({m['filter/gen_batches']} batches)  "
+                      f"clip lo/hi {m['clip/low_frac']:.4f}/{m['clip/high_frac']:.4f}  "
+                      f"entropy {m['entropy']:.3f}  len {m['len/mean']:.1f}  grad {m['grad_norm']:.3f}  "
+                      f"{m['time/step']:.2f} s")
+    bar.close()
+    save_hf(model, tokenizer, os.path.join(cfg.out_dir, "final"))
+    last = run_eval("after")
+    if first:
+        key = f"eval/avg@{cfg.eval_samples}"
+        print0(f"held-out accuracy: before {first[key]:.2f} -> after {last[key]:.2f}")
+    return first, last
+
+
+def main(argv=None):
+    cfg = parse_config(argv)
+    try:
+        train(cfg)
+    except DapoError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
