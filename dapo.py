@@ -349,6 +349,10 @@ class Sampler:
     def _make(self):
         return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
 
+    def restore(self, epoch, pos):
+        self.epoch, self.pos = epoch, pos
+        self._perm = self._make()
+
     def take(self, k):
         out = []
         while len(out) < k:
@@ -546,8 +550,8 @@ def save_hf(model, tokenizer, path):
 # Rollout: generate with vLLM, score with reward.py, then dynamic sampling
 
 def request_seed(*key):
-    """Per-request sampling seed from (seed, step, batch, prompt index): rollouts reproduce
-    exactly, TP ranks agree, and different prompts never share a seed."""
+    """Per-request sampling seed from (seed, step, batch, position, prompt): rollouts reproduce
+    exactly (resume included), TP ranks agree, and requests get independent seeds."""
     return random.Random("-".join(map(str, key))).getrandbits(31)
 
 
@@ -559,7 +563,7 @@ def sample_groups(llm, tokenizer, rows, prompt_ids, idx, cfg, n, temperature, to
     dp_rank, dp_size = rank() // cfg.tp_size, world() // cfg.tp_size
     mine = list(range(dp_rank, len(idx), dp_size))  # TP ranks of one group share prompts and seeds
     params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=cfg.max_response_len,
-                             logprobs=0, seed=request_seed(*key, idx[j])) for j in mine]
+                             logprobs=0, seed=request_seed(*key, j, idx[j])) for j in mine]
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": prompt_ids[idx[j]]} for j in mine], params, use_tqdm=False) if mine else []
     t1 = time.perf_counter()
@@ -1006,11 +1010,9 @@ def prepare_data(cfg, tokenizer):
     return out
 
 
-def train(cfg):
-    from tqdm import tqdm
-    from transformers import AutoTokenizer
-    if cfg.plan:
-        return print_plan(cfg), {}
+def preflight(cfg):
+    """Every check that can fail on the user's input, before anything slow starts.
+    Returns (checkpoint to resume or None, the run state to start from)."""
     if not cfg.eval_only:
         check_config(cfg)
     if cfg.model:
@@ -1018,6 +1020,11 @@ def train(cfg):
     for f in (cfg.train_data, cfg.eval_data):
         if f and not os.path.exists(f):
             raise DapoError(f"data file not found: {f} (give a .parquet or .jsonl path)")
+    if cfg.wandb_project:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise DapoError("--wandb-project needs Weights & Biases: pip install wandb")
     ckpt = latest_checkpoint(cfg.out_dir) if cfg.resume else None
     if cfg.resume and not ckpt:
         raise DapoError(f"--resume: no complete checkpoint under {cfg.out_dir}/checkpoints")
@@ -1026,6 +1033,17 @@ def train(cfg):
         with open(os.path.join(ckpt, "state.json")) as f:
             state = json.load(f)
         check_resume(state["config"], cfg)
+    return ckpt, state
+
+
+def train(cfg):
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+    if cfg.plan:
+        return print_plan(cfg), {}
+    ckpt, state = preflight(cfg)
+    if cfg.wandb_project:
+        import wandb
     device = init_distributed()
     path = os.path.join(ckpt, "model") if ckpt else cfg.model
     if not path:  # the embedded default: build the tiny model on rank 0
@@ -1056,8 +1074,7 @@ def train(cfg):
     sampler = Sampler(len(train_rows), cfg.seed)
     if ckpt:
         load_checkpoint(ckpt, model, opt)
-        sampler.epoch, sampler.pos = state["sampler"]
-        sampler._perm = sampler._make()
+        sampler.restore(*state["sampler"])
         print0(f"resumed from {ckpt} at step {state['step']}")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     logs = {}
@@ -1065,13 +1082,12 @@ def train(cfg):
         os.makedirs(cfg.out_dir, exist_ok=True)
         with open(os.path.join(cfg.out_dir, "run.json"), "w") as f:
             json.dump(run_record(cfg, device), f, indent=1)
-        mode = "a" if ckpt else "w"
-        logs = {k: open(os.path.join(cfg.out_dir, f"{k}.jsonl"), mode) for k in ("metrics", "samples")}
+        for k in ("metrics", "samples"):  # on resume, keep the lines up to the checkpoint's step
+            path_k = os.path.join(cfg.out_dir, f"{k}.jsonl")
+            old = open(path_k).readlines() if ckpt and os.path.exists(path_k) else []
+            logs[k] = open(path_k, "w")
+            logs[k].writelines(x for x in old if json.loads(x)["step"] <= state["step"])
         if cfg.wandb_project:
-            try:
-                import wandb
-            except ImportError:
-                raise DapoError("--wandb-project needs Weights & Biases: pip install wandb")
             wandb.init(project=cfg.wandb_project, config=dataclasses.asdict(cfg), resume="allow")
     if not ckpt:
         state["first_eval"] = run_eval("before")

@@ -42,7 +42,8 @@ args=(
 )
 
 if [ "${1:-}" = "--plan" ]; then
-  exec python dapo.py "${args[@]}" --plan --plan-nodes "$NNODES" --plan-gpus-per-node "$GPUS_PER_NODE"
+  shift
+  exec python dapo.py "${args[@]}" --plan --plan-nodes "$NNODES" --plan-gpus-per-node "$GPUS_PER_NODE" "$@"
 fi
 
 exec torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE" \

@@ -497,6 +497,12 @@ def test_cli_error_is_one_line_without_traceback(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: data file not found"), out.stderr
 
 
+def test_wandb_requested_but_missing_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)           # as if not installed
+    with pytest.raises(dapo.DapoError, match="--wandb-project needs Weights & Biases: pip install wandb"):
+        dapo.train(dapo.parse_config(["--wandb-project", "x"]))
+
+
 def test_flags_are_generated_from_the_config():
     cfg = dapo.parse_config(["--eps-high", "0.2", "--no-dynamic-sampling", "--model", "m", "--group-size", "4"])
     assert cfg.eps_high == 0.2 and cfg.dynamic_sampling is False and cfg.group_size == 4
