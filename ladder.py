@@ -56,7 +56,7 @@ def report(args):
         finals, reach, before = [], [], []
         for seed in args.seeds:
             path = run_dir(args.root, i, seed)
-            if not os.path.exists(os.path.join(path, "metrics.jsonl")):
+            if not os.path.exists(os.path.join(path, "stdout.txt")):  # not run (or not finished) yet
                 continue
             m = load(path)
             out = open(os.path.join(path, "stdout.txt")).read()
