@@ -667,15 +667,16 @@ def forward_logprobs(model, batch, temperature, chunk):
 
 
 def pack_by_tokens(samples, budget):
-    """Longest first, fill each micro-batch while (sequences x longest length) <= budget."""
-    out, cur, longest = [], [], 0
+    """Longest first, fill each micro-batch while its padded size, sequences x (longest prompt
+    + longest response) as collate() lays it out, stays within the budget."""
+    out, cur, P, R = [], [], 0, 0
     for s in sorted(samples, key=lambda s: -(len(s["prompt_ids"]) + len(s["response_ids"]))):
-        n = len(s["prompt_ids"]) + len(s["response_ids"])
-        if cur and (len(cur) + 1) * max(longest, n) > budget:
+        p, r = len(s["prompt_ids"]), len(s["response_ids"])
+        if cur and (len(cur) + 1) * (max(P, p) + max(R, r)) > budget:
             out.append(cur)
-            cur, longest = [], 0
+            cur, P, R = [], 0, 0
         cur.append(s)
-        longest = max(longest, n)
+        P, R = max(P, p), max(R, r)
     return out + ([cur] if cur else [])
 
 

@@ -425,6 +425,17 @@ def test_dynamic_sampling_gives_up_with_a_clear_error():
     assert len(calls) == 3
 
 
+def test_pack_by_tokens_respects_the_padded_budget():
+    import random
+    rng = random.Random(0)
+    samples = [{"prompt_ids": [0] * rng.randint(1, 9), "response_ids": [0] * rng.randint(1, 30)} for _ in range(50)]
+    packs = dapo.pack_by_tokens(samples, 64)
+    assert sorted(map(id, (s for p in packs for s in p))) == sorted(map(id, samples))   # each sample once
+    for p in packs:
+        padded = dapo.collate(p, 0, "cpu", False)["input_ids"].numel()
+        assert padded <= 64 or len(p) == 1
+
+
 def test_sampler_is_a_reproducible_endless_shuffle():
     a, b = dapo.Sampler(10, seed=1), dapo.Sampler(10, seed=1)
     first = a.take(10)
