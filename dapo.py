@@ -1092,6 +1092,7 @@ def train(cfg):
             wandb.init(project=cfg.wandb_project, config=dataclasses.asdict(cfg), resume="allow")
     if not ckpt:
         state["first_eval"] = run_eval("before")
+    sleep = device.type == "cuda" and cfg.vllm_sleep  # vLLM's sleep mode exists on CUDA only
     bar = tqdm(range(state["step"], cfg.steps), desc="DAPO", disable=rank() != 0, dynamic_ncols=True,
                initial=state["step"], total=cfg.steps)
     for step in bar:
@@ -1100,31 +1101,33 @@ def train(cfg):
         sample_fn = lambda idx, b: sample_groups(llm, tokenizer, train_rows, train_ids, idx, cfg, cfg.group_size,
                                                  cfg.temperature, cfg.top_p, (cfg.seed, step, b))
         kept, seen, m = collect_batch(sample_fn, sampler, cfg)
+        every = [s for g in seen for s in g]
+        for s, r in zip(every, shape_rewards(every, cfg).tolist()):
+            s["reward"] = r
         # 2. Advantages (Eq. 9) from the shaped rewards of the kept groups.
         samples = [s for g in kept for s in g]
-        rewards = shape_rewards(samples, cfg)
-        for s, r, a in zip(samples, rewards.tolist(), group_advantages(rewards, cfg.group_size).tolist()):
-            s["reward"], s["adv"] = r, a
+        rewards = torch.tensor([s["reward"] for s in samples])
+        for s, a in zip(samples, group_advantages(rewards, cfg.group_size).tolist()):
+            s["adv"] = a
         # 3. μ gradient updates, with linear warm-up over rollout steps.
         lr = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
         for g in opt.param_groups:
             g["lr"] = lr
-        if device.type == "cuda" and cfg.vllm_sleep:
+        if sleep:
             llm.sleep(level=2)  # PLUMBING: free the KV cache and vLLM's weights while training
         t1 = time.perf_counter()
         m.update(update_policy(model, opt, samples, cfg, pad_id, device))
         t2 = time.perf_counter()
         # 4. Push the new weights into vLLM.
-        if device.type == "cuda" and cfg.vllm_sleep:
-            llm.wake_up(tags=["weights"])
+        if sleep:
+            llm.wake_up(tags=["weights"])  # weights first: they are reloaded before the KV cache returns
         sync_weights(model, llm)
-        if device.type == "cuda" and cfg.vllm_sleep:
+        if sleep:
             llm.wake_up()
         t3 = time.perf_counter()
         # 5. Log, evaluate, checkpoint.
-        every = [s for g in seen for s in g]
         lens = [len(s["response_ids"]) for s in every]
-        m.update({"step": step + 1, "reward/mean": shape_rewards(every, cfg).mean().item(),
+        m.update({"step": step + 1, "reward/mean": sum(s["reward"] for s in every) / len(every),
                   "acc/mean": sum(s["correct"] for s in every) / len(every),
                   "len/mean": sum(lens) / len(lens), "len/max": max(lens),
                   "len/truncated_frac": sum(s["truncated"] for s in every) / len(every), "lr": lr,
