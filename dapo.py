@@ -263,13 +263,14 @@ def token_logprobs(logits, targets, temperature=1.0, chunk=1024):
     """log softmax(logits / T)[targets] and the entropy, without a float32 (B, T, V) tensor.
 
     logits: (B, T, V) in any dtype, targets: (B, T) -> two (B, T) float32 tensors.
-    Works on `chunk` positions at a time; under autograd each chunk is checkpointed, so only
+    Works on about `chunk` tokens at a time; under autograd each chunk is checkpointed, so only
     the input logits are kept and the fp32 chunk is recomputed in backward. At 20k tokens and a
     152k vocabulary the full fp32 log-softmax would be ~12 GB per sequence."""
     from torch.utils.checkpoint import checkpoint
     lps, ents = [], []
-    for s in range(0, logits.shape[1], chunk):
-        lg, tg = logits[:, s:s + chunk], targets[:, s:s + chunk]
+    step = max(1, chunk // logits.shape[0])  # `chunk` counts tokens over all B rows
+    for s in range(0, logits.shape[1], step):
+        lg, tg = logits[:, s:s + step], targets[:, s:s + step]
         if torch.is_grad_enabled() and lg.requires_grad:
             lp, ent = checkpoint(_chunk_logprobs, lg, tg, temperature, use_reentrant=False)
         else:
