@@ -7,27 +7,48 @@ Public names: extract_answer, is_equivalent, is_correct, compute_score, score_ba
 
 Conventions (what a careful grader does; every one has a test in test_dapo.py)
 - Markers. A line holding `Answer:` (any case; also `Final Answer:`, `**Answer:**`) gives
-  the rest of that line. `\\boxed{...}`, `\\boxed X` and `\\fbox{...}` give the box content,
-  braces balanced. The marker that starts LAST in the text wins, so `Answer: \\boxed{42}`
-  reads 42 and a later box overrides an earlier Answer line.
+  the rest of that line, or, when that is blank, the next line with content (lines of only
+  `$$`, `\\[`, `\\]` skipped). Minerva's `The final answer is $42$. I hope it is correct.`
+  gives `$42$`. `\\boxed{...}`, `\\boxed X` and `\\fbox{...}` give the box content, braces
+  balanced; redundant grouping braces go (`\\boxed{{42}}` is 42). The marker that starts
+  LAST in the text wins, so `Answer: \\boxed{42}` reads 42 and a later box overrides an
+  earlier Answer line.
 - No fallback to "the last number in the text". No marker, an empty value or an unclosed
   box is incorrect.
 - Decoration is dropped: `$`, `\\text{}`/`\\mathrm{}`/`\\textbf{}`, `\\left`/`\\right`, LaTeX
-  spaces, a trailing period, thousands separators (`1,000`), degree signs (`^\\circ`, `°`),
-  percent signs (never rescaled: `25\\%` = 25, and 0.25 is not 25%), trailing unit words
-  (`42 cm`, `42 \\text{ dollars}`) and a leading `x =`.
+  spaces, a trailing period, thousands separators (`1,000`, `12{,}345`, `1,\\!000`, `1\\,000`),
+  degree signs (`^\\circ`, `°`), percent signs (never rescaled: `25\\%` = 25, and 0.25 is not
+  25%), a leading `x =`, `x \\in`, `(x, y) =` or `f(x) =`, and trailing units.
+- A unit is a `\\text{}`/`\\mbox{}`/`\\textnormal{}`/`\\mathrm{}` group of words after a number
+  or expression (`\\frac34\\text{ inches}`, `15\\mbox{ cm}^2`), a known unit word (`42 cm`,
+  `5ft`), or space-separated words of three or more letters (`5 apples`). A single letter
+  after a number is never a unit: `3x` is the expression 3x, not 3; nor are hedge words
+  (`or`, `about`) or function names.
 - Hedged answers are incorrect unless the ground truth is itself a list: several values
   (`42 or 43`, `42, 43`), `\\pm`, `\\approx`, `~`, "about", "approximately".
 - Integers compare by exact value, never through floats (`042` = `42` = `42.0`).
 - Other numbers compare exactly as fractions (`0.5` = `\\frac12` = `1/2`; `0.333` != `1/3`).
-- Symbolic answers (`\\sqrt{12}` = `2\\sqrt3`, `\\frac{\\pi}{2}` = `\\pi/2`) go through a small
-  LaTeX-to-sympy translator that only emits whitelisted tokens, and sympy decides
+  An integer directly followed by an integer fraction is a mixed number: `2\\frac{1}{3}` and
+  `2 1/3` are 7/3 (a product needs `\\cdot`). Scientific notation (`1.5e3`, `1.5\\times10^{3}`)
+  and integer powers (`2^{10}`) are numbers too, read by string work; one whose value is too
+  large to build (`1e999999999`) is compared by its digits and exponent, never computed,
+  and equals no other kind of answer.
+- Symbolic answers (`\\sqrt{12}` = `2\\sqrt3`, `\\frac{1+\\sqrt5}{2}`, `x^2+2x+1` = `(x+1)^2`)
+  go through a small LaTeX-to-sympy translator that only emits whitelisted tokens, with
+  decimals made exact rationals (`10\\sqrt{10.5}` = `5\\sqrt{42}`), and sympy decides
   `simplify(a - b) == 0`. Before any sympy call the input is capped: length, nesting depth,
-  size of exponents and factorials, no power towers. So a 200,000-character answer or
-  `2^{2^{2^{99}}}` is rejected in microseconds.
-- Tuples `(a, b)` and intervals `[a, b)` are ordered and their brackets must match; sets
-  `\\{a, b\\}` and bare lists `a, b` are unordered.
-- Text answers (`\\text{B}`, `yes`) compare case-insensitively after normalisation.
+  size of exponents and factorials, no power towers, no float literals, at most
+  MAX_SYMPY_CALLS calls per comparison. So a 200,000-character answer or `2^{2^{2^{99}}}` is
+  rejected in microseconds. An answer with no sympy form (`\\alpha+\\beta`, `AB`) compares as
+  normalised text, whitespace- and case-insensitively.
+- Structure is compared item by item, each item with these same rules, nested as needed.
+  Tuples `(a, b)` and intervals `[a, b)` are ordered and their brackets must match; sets
+  `\\{a, b\\}` or `{a, b}`, bare lists `a, b` and prose lists `a and b` are unordered; unions
+  of intervals (`\\cup`) are unordered; matrices (`pmatrix`, `bmatrix`, ...: the delimiters
+  do not matter) must have the same shape. Relations compare operator and sides, with
+  `\\ge` = `\\geq` = `>=` and `5 \\le x` = `x \\ge 5`.
+- Text answers (`\\text{B}`, `yes`) compare case-insensitively after normalisation; a
+  multiple-choice letter may be written `\\text{(C)}`, `(C)` or `C`.
 
 score_batch() is the trainer's entry point: answers that need no sympy are decided in the
 calling process (linear-time string work, so it cannot hang); the rest go to a pool of worker
@@ -113,6 +134,48 @@ def _last_answer_marker(text):
         end = i
 
 
+_MINERVA_HEAD = re.compile(r"^(?:the\s+)?(?:final\s+)?answer\s+is\s*:?\s*", re.I)
+_MINERVA_TAIL = re.compile(r"\s*I hope it is correct\.?$", re.I)
+_DELIM_ONLY = re.compile(r"^(?:[\s$*_]|\\\[|\\\])*$")
+
+
+def _answer_line(text, pos):
+    """The value of an `Answer:` marker ending at `pos`: the rest of its line or, when that
+    is blank, the next line with content (lines holding only `$$`, `\\[`, `\\]` skipped)."""
+    while True:
+        end = text.find("\n", pos)
+        line = text[pos: end if end >= 0 else len(text)]
+        value = re.sub(r"[\s*_]+$", "", _HEAD_DECOR.sub("", line))
+        if not _DELIM_ONLY.match(value):
+            break
+        if end < 0:
+            return None
+        pos = end + 1
+    # Minerva style: `Final Answer: The final answer is $42$. I hope it is correct.`
+    tail = _MINERVA_TAIL.search(value, max(0, len(value) - 40))
+    if tail:
+        value = value[:tail.start()]
+    head = _MINERVA_HEAD.match(value)
+    if head:
+        value = value[head.end():]
+    if tail or head:
+        value = re.sub(r"\s*\.$", "", value)
+    return value
+
+
+def _group_inner(s, opening="{", closing="}"):
+    """The inside of `s` when its first character opens a group closed by its last one."""
+    if len(s) < 2 or not s.startswith(opening) or not s.endswith(closing):
+        return None
+    depth = 0
+    for k, c in enumerate(s):
+        depth += c == "{"
+        depth -= c == "}"
+        if depth == 0:
+            return s[1:-1] if k == len(s) - 1 else None
+    return None
+
+
 def extract_answer(response):
     """The final answer in `response` (see the module docstring), or None."""
     if not isinstance(response, str):
@@ -124,33 +187,70 @@ def extract_answer(response):
         return None
     if box is not None and (ans is None or box.start() > ans[0]):
         value = _box_content(text, box.end())
-    else:  # the rest of the Answer line
-        line_end = text.find("\n", ans[1])
-        value = text[ans[1]: line_end if line_end >= 0 else len(text)]
-        value = _HEAD_DECOR.sub("", value)
-        value = re.sub(r"[\s*_]+$", "", value)
+    else:
+        value = _answer_line(text, ans[1])
     if value is None:
         return None
     value = value.strip()
+    inner = _group_inner(value)
+    while inner is not None and len(_split_top(inner)) == 1:  # `\boxed{{42}}` is 42
+        value = inner.strip()
+        inner = _group_inner(value)
     return value if value else None
 
 
 # ----------------------------------------------------------------------------------------
 # Normalisation
 
-_TEXT_CMD = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
+_TEXT_CMD = re.compile(r"\\(?:text|textbf|textit|textnormal|textrm|mathrm|mathbf|mbox|operatorname)"
+                       r"\s*\{([^{}]*)\}")
 _SPACES = re.compile(r"\\[,;:! ]|\\quad|\\qquad|~")
+_LATEX_THOUSANDS = re.compile(r"(?<=\d)(?:\{,\}|,\\!|\\,)(?=\d{3}(?!\d))")  # 12{,}345 1,\!000 1\,000
 _THOUSANDS = re.compile(r"^[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
-_INT = re.compile(r"^([+-]?)0*(\d+)(?:\.0*)?$")
-_DEC = re.compile(r"^[+-]?(?:\d+\.?\d*|\.\d+)$")
-_FRAC = re.compile(r"^([+-]?)\\[dt]?frac\s*(?:\{\s*(\d+)\s*\}|(\d))\s*(?:\{\s*(\d+)\s*\}|(\d))$")
-_SLASH = re.compile(r"^([+-]?\d+)\s*/\s*(\d+)$")
-_UNIT_TAIL = re.compile(r"^(.*?\d)\s*((?:[a-zA-Z]+\.?\s*){1,3})$")
+_MATRIX = re.compile(r"\\begin\{([pbBvV]?matrix)\}(.*?)\\end\{\1\}", re.S)
+_RELATIONS = [(re.compile(r"\\geqslant|\\geq?(?![a-zA-Z])|≥"), ">="),
+              (re.compile(r"\\leqslant|\\leq?(?![a-zA-Z])|≤"), "<="),
+              (re.compile(r"\\neq?(?![a-zA-Z])|≠"), "!="),
+              (re.compile(r"\\gt(?![a-zA-Z])"), ">"), (re.compile(r"\\lt(?![a-zA-Z])"), "<")]
+# `x =`, `x \in`, `(x, y) =`, `f(x) =` before an answer are dropped
+_PREFIX = re.compile(r"^(?:[a-zA-Z]|\(\s*[a-zA-Z](?:\s*,\s*[a-zA-Z])+\s*\)|[a-zA-Z]\s*\(\s*[a-zA-Z]\s*\))"
+                     r"\s*(?:=|\\in(?![a-zA-Z]))\s*(?=\S)")
+_TEXT_UNIT = re.compile(r"^(.*?[\d})])\s*\\(?:text|textnormal|textrm|mbox|mathrm)\s*\{\s*([a-zA-Z][a-zA-Z. ]*)\}"
+                        r"\s*(?:\^\s*\{?\s*[23]\s*\}?)?$")
+_UNIT_TAIL = re.compile(r"^(.*?[\d})])(\s*)((?:[a-zA-Z]+\.?\s*){1,3})(?:\^\s*\{?\s*[23]\s*\}?)?$")
+_UNIT_WORDS = set("""cm mm km nm ft in yd mi kg mg lb lbs oz ml hr hrs min mins sec secs sq cu mph kph
+    km/h units unit meter meters metre metres inch inches foot feet yard yards mile miles second seconds
+    minute minutes hour hours day days week weeks month months year years dollar dollars cent cents
+    degree degrees deg radian radians square cubic gram grams pound pounds ounce ounces liter liters
+    litre litres gallon gallons cup cups percent""".split())
 _HEDGE_WORDS = {"or", "and", "to", "plus", "minus", "approximately", "about", "roughly",
                 "around", "nearly", "almost", "maybe", "possibly", "probably", "either", "not",
-                "than", "less", "more", "pi", "i", "e", "sqrt"}
+                "than", "less", "more", "pi", "i", "e", "sqrt", "sin", "cos", "tan", "cot", "csc",
+                "log", "ln", "exp", "mod", "is", "are", "the"}
 _HEDGE = re.compile(r"\\pm|\\mp|±|\\approx|≈|\\sim|\\lesssim|\\gtrsim|\bapprox|\babout\b|"
                     r"\bapproximately\b|\broughly\b|\baround\b|\bor\b|\beither\b|\bmaybe\b")
+_CHOICE = re.compile(r"^\(\s*([A-Za-z])\s*\)$")
+
+
+def _strip_unit(s):
+    """`42 cm`, `\\frac34 \\text{ inches}`, `15\\mbox{ cm}^2` -> the number. A unit is a
+    `\\text{}`-like group of words, a known unit word, or space-separated words of 3+ letters;
+    never a single letter (`3x` is not 3) and never a hedge or function word."""
+    m = _TEXT_UNIT.match(s)
+    if m and re.search(r"\d", m.group(1)) and not set(m.group(2).lower().replace(".", " ").split()) & _HEDGE_WORDS:
+        return m.group(1)
+    m = _UNIT_TAIL.match(s)
+    if m:
+        words = m.group(3).lower().replace(".", " ").split()
+        if words and not set(words) & _HEDGE_WORDS and (
+                all(w in _UNIT_WORDS for w in words) or (m.group(2) and all(len(w) >= 3 for w in words))):
+            return m.group(1)
+    return s
+
+
+def _matrix_to_text(m):
+    """`\\begin{pmatrix} a & b \\\\ c & d \\end{pmatrix}` -> `\\matrix{a,b;c,d}` (any delimiters)."""
+    return "\\matrix{" + m.group(2).replace("\\\\", ";").replace("&", ",") + "}"
 
 
 def _normalize(s):
@@ -158,73 +258,124 @@ def _normalize(s):
     s = s.strip()
     if len(s) > MAX_ANSWER_CHARS:
         return None
+    s = _MATRIX.sub(_matrix_to_text, s)
+    s = re.sub(r"^(?:\\left)?[\[(]\s*(\\matrix\{.*\})\s*(?:\\right)?[\])]$", r"\1", s)  # [matrix]
     s = s.replace("\\$", "").replace("$", "").replace("\u2212", "-")
+    s = _LATEX_THOUSANDS.sub("", s)
     s = s.replace("\\left", "").replace("\\right", "").replace("\\displaystyle", "")
-    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    s = re.sub(r"\\[dtc]frac(?![a-zA-Z])", r"\\frac", s)
+    s = _strip_unit(s.strip().rstrip(".").strip())      # `\text{ inches}` before \text{} goes
     for _ in range(3):  # \text{\textbf{..}} nests
         s = _TEXT_CMD.sub(r"\1", s)
     s = _SPACES.sub(" ", s)
     s = re.sub(r"\^\s*\{?\\circ\}?|°|\\degree", "", s)
     s = s.replace("\\%", "").replace("%", "")
-    s = s.strip().rstrip(".").strip()
-    s = re.sub(r"^[a-zA-Z]\s*=\s*(?=\S)", "", s)       # `x = 5` -> `5`
-    m = _UNIT_TAIL.match(s)                             # `42 cm` -> `42`
-    if m and not (set(m.group(2).lower().replace(".", "").split()) & _HEDGE_WORDS):
-        s = m.group(1)
+    for rel, op in _RELATIONS:
+        s = rel.sub(f" {op} ", s)
+    s = re.sub(r"^\\\[|\\\]$", "", s.strip()).strip().rstrip(".").strip()
+    s = _PREFIX.sub("", s)                               # `x = 5` -> `5`
+    s = _strip_unit(s)                                  # `42 cm` -> `42`
     if _THOUSANDS.match(s):
         s = s.replace(",", "")
+    s = _CHOICE.sub(r"\1", s)                            # `(C)` -> `C`
+    inner = _group_inner(s)
+    while inner is not None:                             # `{42}` -> 42, `{2, 3}` -> a set
+        if len(_split_top(inner)) > 1:
+            s = "\\{" + inner + "\\}"
+            break
+        s, inner = inner.strip(), _group_inner(inner.strip())
     return re.sub(r"\s+", " ", s).strip()
 
 
-def _as_fraction(s):
-    """Exact value of an integer, decimal or simple fraction string, else None."""
+# ----------------------------------------------------------------------------------------
+# Numbers: exact, and never big-number arithmetic on a huge exponent
+
+_INT = re.compile(r"^([+-]?)0*(\d+)(?:\.0*)?$")
+_DEC = re.compile(r"^[+-]?(?:\d+\.?\d*|\.\d+)$")
+_FRAC = re.compile(r"^([+-]?)\\frac\s*(?:\{\s*([+-]?\d+)\s*\}|(\d))\s*(?:\{\s*(\d+)\s*\}|(\d))$")
+_SLASH = re.compile(r"^([+-]?\d+)\s*/\s*(\d+)$")
+_MIXED = re.compile(r"^([+-]?)(\d+)\s*(?:\\frac\s*(?:\{\s*(\d+)\s*\}|(\d))\s*(?:\{\s*(\d+)\s*\}|(\d))"
+                    r"|\s(\d+)\s*/\s*(\d+))$")
+_SCI = re.compile(r"^([+-]?(?:\d+\.?\d*|\.\d+))\s*(?:[eE]|(?:\\times|\\cdot|\*|×)\s*10\s*(?:\^|\*\*))"
+                  r"\s*\{?\s*([+-]?\d+)\s*\}?$")
+_POW = re.compile(r"^([+-]?)(\d+)\s*(?:\^|\*\*)\s*\{?\s*([+-]?\d+)\s*\}?$")
+
+
+def _decimal_value(sign, digits, exp10):
+    """sign * int(digits) * 10**exp10, exactly; a ('big', ...) key when 10**exp10 is too large
+    to build (two such keys are equal iff the numbers are, and no Fraction equals one)."""
+    stripped = digits.lstrip("0").rstrip("0")
+    if not stripped:
+        return Fraction(0)
+    exp10 += len(digits.lstrip("0")) - len(stripped)
+    if abs(exp10) > MAX_EXPONENT + MAX_ANSWER_CHARS:
+        return ("big", sign, stripped, exp10)
+    return (-1 if sign == "-" else 1) * Fraction(int(stripped)) * Fraction(10) ** exp10
+
+
+def _as_number(s):
+    """Exact value of a numeric answer (integer, decimal, fraction, mixed number, scientific
+    notation, integer power) as a Fraction, a ('big', ...) key, or None if not numeric."""
     m = _INT.match(s)
     if m:
         return Fraction(int(m.group(1) + m.group(2)))
     if _DEC.match(s):
         return Fraction(s)
-    m = _FRAC.match(s) or None
+    m = _FRAC.match(s)
     if m:
-        num = int(m.group(2) or m.group(3))
-        den = int(m.group(4) or m.group(5))
+        num, den = int(m.group(2) or m.group(3)), int(m.group(4) or m.group(5))
         return Fraction((-1 if m.group(1) == "-" else 1) * num, den) if den else None
     m = _SLASH.match(s)
-    if m and int(m.group(2)):
-        return Fraction(int(m.group(1)), int(m.group(2)))
+    if m:
+        return Fraction(int(m.group(1)), int(m.group(2))) if int(m.group(2)) else None
+    m = _MIXED.match(s)  # `2\frac{1}{3}` and `2 1/3` are 7/3, not 2/3
+    if m:
+        num, den = int(m.group(3) or m.group(4) or m.group(7)), int(m.group(5) or m.group(6) or m.group(8))
+        return (-1 if m.group(1) == "-" else 1) * (int(m.group(2)) + Fraction(num, den)) if den else None
+    m = _SCI.match(s)
+    if m:
+        sign, mant = m.group(1)[:1] if m.group(1)[:1] in "+-" else "", m.group(1).lstrip("+-")
+        whole, _, frac = mant.partition(".")
+        return _decimal_value(sign, whole + frac, int(m.group(2)) - len(frac))
+    m = _POW.match(s)
+    if m:
+        sign, base, exp = m.group(1), m.group(2).lstrip("0") or "0", int(m.group(3))
+        if re.fullmatch(r"10*", base):  # 10^n, 100^n: a power of ten
+            return _decimal_value(sign, "1", exp * (len(base) - 1))
+        if base in ("0", "1") or len(base) * abs(exp) <= 10 * MAX_EXPONENT:
+            if base == "0" and exp < 0:
+                return None
+            return (-1 if sign == "-" else 1) * Fraction(int(base)) ** exp
+        return ("pow", sign, base, exp)  # too large to build: equal only in the same form
     return None
 
 
-def _split_top(s, seps=","):
-    """Split on separators that are not inside brackets."""
-    parts, depth, cur = [], 0, []
+# ----------------------------------------------------------------------------------------
+# Structure: lists, sets, tuples, intervals, unions, matrices, relations
+
+_LIST_SEP = re.compile(r"\s*(?:,\s*and(?![a-zA-Z])|,|;|(?<![a-zA-Z\\])and(?![a-zA-Z]))\s*")
+_COMMA = re.compile(",")
+_UNION = re.compile(r"\\cup(?![a-zA-Z])|∪")
+_REL_OP = re.compile(r"<=|>=|!=|<|>|=")
+_FLIP = {"<": ">", ">": "<", "<=": ">=", ">=": "<=", "=": "=", "!=": "!="}
+
+
+def _split_top(s, sep=_COMMA):
+    """Split on matches of `sep` that are not inside brackets."""
+    level, depth = [], 0
     for c in s:
+        if c in ")]}":
+            depth -= 1
+        level.append(depth)
         if c in "([{":
             depth += 1
-        elif c in ")]}":
-            depth -= 1
-        if c in seps and depth == 0:
-            parts.append("".join(cur))
-            cur = []
-        else:
-            cur.append(c)
-    parts.append("".join(cur))
+    parts, start = [], 0
+    for m in sep.finditer(s):
+        if level[m.start()] == 0 and m.start() >= start and m.end() > m.start():
+            parts.append(s[start:m.start()])
+            start = m.end()
+    parts.append(s[start:])
     return [p.strip() for p in parts]
-
-
-def _structure(s):
-    """('tuple'|'interval'|'set'|'list'|'scalar', open, close, items)."""
-    if s.startswith("\\{") and s.endswith("\\}"):
-        return "set", "{", "}", _split_top(s[2:-2])
-    if len(s) >= 2 and s[0] in "([" and s[-1] in ")]":
-        inner = s[1:-1]
-        items = _split_top(inner)
-        if len(items) >= 2 and _balanced(inner):
-            kind = "tuple" if (s[0], s[-1]) in {("(", ")")} else "interval"
-            return kind, s[0], s[-1], items
-    items = _split_top(s, ",;")
-    if len(items) >= 2:
-        return "list", "", "", items
-    return "scalar", "", "", [s]
 
 
 def _balanced(s):
@@ -237,34 +388,67 @@ def _balanced(s):
     return depth == 0
 
 
+def _structure(s):
+    """(kind, tag, items): kind is 'matrix' (tag: row lengths), 'union', 'set', 'tuple',
+    'interval' (tag: brackets), 'list', 'relation' (tag: the operators) or 'scalar'."""
+    m = re.fullmatch(r"\\matrix\{(.*)\}", s)
+    if m:
+        rows = [_split_top(r) for r in _split_top(m.group(1), re.compile(";")) if r]
+        return "matrix", tuple(len(r) for r in rows), [x for r in rows for x in r]
+    parts = _split_top(s, _UNION)
+    if len(parts) >= 2:
+        return "union", "", parts
+    if s.startswith("\\{") and s.endswith("\\}") and _balanced(s[2:-2]):
+        return "set", "", _split_top(s[2:-2])
+    if len(s) >= 2 and s[0] in "([" and s[-1] in ")]":
+        inner = s[1:-1]
+        items = _split_top(inner)
+        if len(items) >= 2 and _balanced(inner):
+            return ("tuple" if s[0] + s[-1] == "()" else "interval"), s[0] + s[-1], items
+    items = _split_top(s, _LIST_SEP)
+    if len(items) >= 2:
+        return "list", "", items
+    sides = _split_top(s, _REL_OP)
+    if len(sides) >= 2 and all(sides):
+        ops = tuple(m.group(0) for m in _REL_OP.finditer(s))
+        if len(ops) == len(sides) - 1:
+            return "relation", ops, sides
+    return "scalar", "", [s]
+
+
 # ----------------------------------------------------------------------------------------
 # Symbolic comparison: a tiny LaTeX -> sympy translator with caps
 
 _SYMPY_OK = re.compile(r"^[0-9a-z+\-*/()., ]*$")
 _FUNCS = {"sqrt", "pi", "sin", "cos", "tan", "log", "ln", "exp", "factorial", "root", "e", "i", "I", "E"}
+# \frac{a}{b}, \frac12, \frac1{7}, \frac{\sqrt3}2: each argument a group or a single token
+_FRAC_ANY = re.compile(r"\\frac\s*(?:\{([^{}]*)\}|([0-9a-zA-Z]))\s*(?:\{([^{}]*)\}|([0-9a-zA-Z]))")
 
 
 def _latex_to_sympy(s):
     """Translate a small LaTeX subset to a sympy-parsable string, or None if outside it."""
     t = s
-    t = t.replace("\\cdot", "*").replace("\\times", "*").replace("\\div", "/")
+    t = t.replace("\\cdot", "*").replace("\\times", "*").replace("\\div", "/").replace("×", "*")
     t = t.replace("\\pi", " pi ").replace("\\infty", " oo ")
     t = re.sub(r"\\(sin|cos|tan|ln|log|exp)\b", r" \1", t)
-    for _ in range(MAX_DEPTH):  # innermost first: \frac{a}{b}, \sqrt[n]{x}, \sqrt{x}, \frac12, \sqrt3
+    for _ in range(MAX_DEPTH):  # innermost first
         before = t
-        t = re.sub(r"\\frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}", r"((\1)/(\2))", t)
-        t = re.sub(r"\\frac\s*(\d)\s*(\d)", r"((\1)/(\2))", t)
-        t = re.sub(r"\\frac\s*\{([^{}]*)\}\s*(\d)", r"((\1)/(\2))", t)
+        t = _FRAC_ANY.sub(r"((\1\2)/(\3\4))", t)
         t = re.sub(r"\\sqrt\s*\[([^\[\]{}]*)\]\s*\{([^{}]*)\}", r"root((\2),(\1))", t)
         t = re.sub(r"\\sqrt\s*\{([^{}]*)\}", r"sqrt(\1)", t)
         t = re.sub(r"\\sqrt\s*(\d|[a-z])", r"sqrt(\1)", t)
         t = re.sub(r"\^\s*\{([^{}]*)\}", r"**(\1)", t)
-        t = re.sub(r"\{([^{}]*)\}", r"(\1)", t)
+        # plain grouping braces; not a command's argument (`\frac{`, `}{`), which waits above
+        t = re.sub(r"(?<![a-zA-Z}\]])\{([^{}]*)\}", r"(\1)", t)
         if t == before:
             break
+    t = re.sub(r"\^\s*([+-]?\d+(?:\.\d+)?|[a-zA-Z])", r"**(\1)", t)  # `x^2+1` is (x^2)+1
     t = t.replace("^", "**").replace("!", " !")
     if "\\" in t or "{" in t or "}" in t:
         return None
+    t = re.sub(r"(?<![\w.])(\d+(?:\.\d+)?)[eE]([+-]?\d+)", r"(\1*10**(\2))", t)  # 1e5 -> 1*10**5
+    # decimals as exact rationals: 10\sqrt{10.5} = 5\sqrt{42}
+    t = re.sub(r"(?<![\w.])(\d*)\.(\d+)(?![\w.])", lambda m: f"({int(m.group(1) + m.group(2))}/1{'0' * len(m.group(2))})", t)
     t = re.sub(r"(\w+|\))\s*!", r"factorial(\1)", t)
     if not _SYMPY_OK.match(t.replace("**", "*")):
         return None
@@ -276,8 +460,8 @@ def _latex_to_sympy(s):
 
 def _safe_for_sympy(expr):
     """Caps that keep every sympy call small: depth, exponents, factorials, power towers."""
-    if len(expr) > MAX_SYMPY_CHARS:
-        return False
+    if len(expr) > MAX_SYMPY_CHARS or re.search(r"(?<![a-zA-Z])[\d.]+[eE][+-]?\d", expr):
+        return False  # a float literal like 1e999999999 would be built by the parser
     depth = 0
     for c in expr:
         depth += c == "("
@@ -303,11 +487,17 @@ def _safe_for_sympy(expr):
     return all(len(d) <= 50 for d in re.findall(r"\d+", expr))
 
 
-def _sympy_equal(a, b):
-    """True/False when sympy decides, None when it cannot parse."""
-    ea, eb = _latex_to_sympy(a), _latex_to_sympy(b)
-    if ea is None or eb is None or not (_safe_for_sympy(ea) and _safe_for_sympy(eb)):
-        return None
+def _sympy_form(s, number):
+    """The capped sympy string for `s` (its exact value when numeric), or None."""
+    if isinstance(number, Fraction):
+        t = f"({number.numerator}/{number.denominator})"
+    else:
+        t = _latex_to_sympy(s)
+    return t if t is not None and _safe_for_sympy(t) else None
+
+
+def _sympy_equal(ea, eb):
+    """True/False when sympy decides, None when it cannot parse (inputs from _sympy_form)."""
     import sympy
     from sympy.parsing.sympy_parser import (parse_expr, standard_transformations,
                                             implicit_multiplication_application)
@@ -332,19 +522,72 @@ def _sympy_equal(a, b):
 # ----------------------------------------------------------------------------------------
 # Equivalence
 
-def _scalar_equal(p, g, allow_sympy=True):
+MAX_SYMPY_CALLS = 16  # per comparison: a long list of symbolic items cannot run for minutes
+
+
+def _squash(s):
+    return re.sub(r"\s+", "", s).lower()
+
+
+def _scalar_equal(p, g, allow_sympy=True, budget=None):
     if p == g or p.lower() == g.lower():
         return True
-    fp, fg = _as_fraction(p), _as_fraction(g)
-    if fp is not None and fg is not None:
-        return fp == fg
+    np_, ng = _as_number(p), _as_number(g)
+    if np_ is not None and ng is not None:
+        return np_ == ng
+    if isinstance(np_, tuple) or isinstance(ng, tuple):
+        return False  # a number too large to build equals no expression we could check
     if _HEDGE.search(p):
         return False
-    if not allow_sympy:
-        return None
     if not any(c in p + g for c in "\\^(*/+-!") and not re.search(r"[a-z]", p + g):
         return False  # plain different numbers/strings: nothing symbolic to decide
-    return bool(_sympy_equal(p, g))
+    ea, eb = _sympy_form(p, np_), _sympy_form(g, ng)
+    if ea is None or eb is None:  # no sympy form: compare the normalised text
+        return _squash(p) == _squash(g)
+    if not allow_sympy:
+        return None
+    budget = budget if budget is not None else [MAX_SYMPY_CALLS]
+    if budget[0] <= 0:
+        return False
+    budget[0] -= 1
+    verdict = _sympy_equal(ea, eb)
+    return _squash(p) == _squash(g) if verdict is None else verdict
+
+
+def _match(p, g, allow_sympy, budget):
+    """Normalised answers: True / False, or None where only sympy could decide."""
+    kp, tp, ip = _structure(p)
+    kg, tg, ig = _structure(g)
+    if kg == "scalar":
+        if kp != "scalar" or (_HEDGE.search(p) and not _HEDGE.search(g)):
+            return False  # hedged or several values against one value
+        return _scalar_equal(p, g, allow_sympy, budget)
+    unordered = {"list", "set", "union"}
+    if kp == kg == "relation" and tp != tg and tuple(_FLIP[o] for o in reversed(tp)) == tg:
+        tp, ip = tg, ip[::-1]  # `5 <= x` is `x >= 5`
+    if not ({kp, kg} <= {"list", "set"}) and (kp, tp) != (kg, tg):
+        return False  # a tuple is not an interval, nor a set; brackets and shapes must match
+    if len(ip) != len(ig):
+        return False
+    ip, ig = [_normalize(x) or "" for x in ip], [_normalize(x) or "" for x in ig]
+    if kg in unordered:  # match each item once, order-free
+        left, undecided = list(ip), False
+        for x in ig:
+            hit = None
+            for k, y in enumerate(left):
+                r = _match(y, x, allow_sympy, budget) if x and y else x == y
+                if r:
+                    hit = k
+                    break
+                undecided = undecided or r is None
+            if hit is None:
+                return None if undecided else False
+            left.pop(hit)
+        return True
+    results = [_match(a, b, allow_sympy, budget) if a and b else a == b for a, b in zip(ip, ig)]
+    if any(r is False for r in results):
+        return False
+    return None if any(r is None for r in results) else True
 
 
 def _equivalent(pred, gt, allow_sympy=True):
@@ -357,34 +600,7 @@ def _equivalent(pred, gt, allow_sympy=True):
     p, g = _normalize(pred), _normalize(gt)
     if not p or not g:
         return False
-    kp, op_, cp, ip = _structure(p)
-    kg, og, cg, ig = _structure(g)
-    if kg == "scalar":
-        if kp != "scalar" or (_HEDGE.search(p) and not _HEDGE.search(g)):
-            return False  # hedged or several values against one value
-        return _scalar_equal(p, g, allow_sympy)
-    # The ground truth is a collection. Bare lists may be answered with `and` between items.
-    if kp == "scalar" and kg in ("list", "set"):
-        ip = [x.strip() for x in re.split(r"\s*(?:,|\band\b)\s*", p)]
-        kp = "list" if len(ip) > 1 else "scalar"
-    unordered = {"list", "set"}
-    if not (kg in unordered and kp in unordered) and (kg, og, cg) != (kp, op_, cp):
-        return False  # a tuple is not an interval, nor a set; brackets must match
-    if len(ip) != len(ig):
-        return False
-    ip, ig = [_normalize(x) or "" for x in ip], [_normalize(x) or "" for x in ig]
-    if kg in unordered:  # match each item once, order-free
-        left = list(ip)
-        for x in ig:
-            hit = next((k for k, y in enumerate(left) if _scalar_equal(y, x, allow_sympy)), None)
-            if hit is None:
-                return False
-            left.pop(hit)
-        return True
-    results = [_scalar_equal(a, b, allow_sympy) for a, b in zip(ip, ig)]
-    if any(r is False for r in results):
-        return False
-    return None if any(r is None for r in results) else True
+    return _match(p, g, allow_sympy, [MAX_SYMPY_CALLS])
 
 
 def is_equivalent(pred, ground_truth):
@@ -492,6 +708,17 @@ def _pool(spec, n):
     return workers
 
 
+def close_pool():
+    """Kill every worker now (on Ctrl-C or exit); the next score_batch starts fresh ones.
+    Only SIGKILL and wait, so it is quick and safe to call at any moment."""
+    for spec in list(_POOL):
+        for w in _POOL.pop(spec, []):
+            try:
+                w.kill()
+            except Exception:
+                pass
+
+
 def score_batch(responses, ground_truths, timeout=5.0, num_workers=4, fn="reward:is_correct"):
     """Score many responses; the trainer's entry point.
 
@@ -569,7 +796,16 @@ def _bench():
         "deep nesting": "\\boxed{" + "\\sqrt{" * 300 + "2" + "}" * 300 + "}",
         "unclosed box x100k": "\\boxed{" * 100_000,
         "symbolic sqrt": "\\boxed{2\\sqrt3}",
+        "1e999999999": "Answer: 1e999999999",
+        "1e-999999999": "Answer: 1e-999999999",
+        "1.5 x 10^999999999": "\\boxed{1.5\\times10^{999999999}}",
+        "10**999999999": "Answer: 10**999999999",
+        "1e999999999 inside an expression": "\\boxed{1e999999999x+1}",
+        "999999999^999999999": "\\boxed{999999999^{999999999}}",
+        "200-char decimal": "Answer: 0." + "0" * 190 + "1",
+        "mixed number": "\\boxed{2\\frac{1}{3}}",
     }
+    compute_score("\\boxed{\\sqrt{12}}", "2\\sqrt3")  # sympy's one-off import is not a per-call cost
     worst = 0.0
     for name, r in hard.items():
         t = time.perf_counter()

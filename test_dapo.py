@@ -29,6 +29,11 @@ from reward import compute_score, extract_answer, is_correct, is_equivalent, sco
     ("\\boxed{4} then I double-check.\nAnswer: 5", "5"),       # a later Answer line beats a box
     ("Answer: \\boxed{42}", "42"),
     ("x" * 200_000 + "\nAnswer: 42", "42"),                   # long reasoning still found
+    ("Final Answer: The final answer is $42$. I hope it is correct.", "$42$"),   # Minerva style
+    ("so.\nAnswer:\n42", "42"),                                # the value on the next line
+    ("Answer:\n\n$$\n7\n$$\nDone.", "7"),                      # display-math lines skipped
+    ("\\boxed{{42}}", "42"),                                   # redundant grouping braces
+    ("\\boxed{{2, 3}}", "{2, 3}"),                             # ...but a braced set stays a set
 ])
 def test_extract_answer(response, expected):
     assert extract_answer(response) == expected
@@ -98,6 +103,125 @@ def test_score_values():
 
 
 # =========================================================================================
+# reward.py: the error classes of issue 13
+
+# Error classes of issue 13, each both ways: (response, ground truth) pairs graded correct,
+# then near misses that must not be. `_B(x)` is a response boxing x.
+def _B(x):
+    return "\\boxed{" + x + "}"
+
+
+ANSWER_CLASSES = {
+    'unit_letter_fp': (
+        [(_B('3x'), '3x'), (_B('4t'), '4t'), (_B('3 x'), '3x'), (_B('42 cm'), '42'), (_B('5 apples'), '5'),
+         (_B('7'), '7 \\text{ cm}')],
+        [(_B('3'), '3x'), (_B('4'), '4t'), (_B('3x'), '3'), (_B('4t'), '4'), (_B('2'), '2n'), (_B('5y'), '5')]),
+    'mixed_number_fp': (
+        [(_B('2\\frac{1}{3}'), '\\frac{7}{3}'), (_B('\\frac73'), '2\\frac13'),
+         (_B('-2\\frac{1}{3}'), '-\\frac{7}{3}'), (_B('2 1/3'), '7/3')],
+        [(_B('\\frac{1}{3}'), '2\\frac{1}{3}'), (_B('2\\frac{1}{3}'), '\\frac{2}{3}'),
+         (_B('\\frac{2}{3}'), '2\\frac13'), (_B('2 1/3'), '2/3')]),
+    'latex_thousands': (
+        [(_B('12{,}345'), '12345'), (_B('12345'), '12{,}345'), (_B('1,\\!000,\\!000'), '1000000'),
+         (_B('\\$1{,}250.50'), '1250.5'), (_B('1250.50'), '\\$1{,}250.50')],
+        [(_B('12{,}346'), '12345'), (_B('1,\\!000'), '1000000'), (_B('\\$1{,}250.50'), '1250.05')]),
+    'frac_radicals': (
+        [(_B('\\frac{1 + \\sqrt{5}}{2}'), '\\frac{1+\\sqrt{5}}{2}'),
+         (_B('\\frac{\\sqrt3}{2}'), '\\frac{\\sqrt{3}}{2}'), (_B('\\frac{2}{\\sqrt{2}}'), '\\sqrt{2}'),
+         (_B('\\dfrac{\\sqrt{3}}{2}'), '\\frac{\\sqrt3}2'),
+         (_B('\\tfrac{1+\\sqrt5}{2}'), '\\frac{1+\\sqrt{5}}{2}'), (_B('\\cfrac{2}{\\sqrt{2}}'), '\\sqrt2'),
+         (_B('1+\\frac1{7}'), '\\frac{8}{7}'), (_B('\\frac{x^{2}}{2}'), 'x^2/2')],
+        [(_B('\\frac{1 - \\sqrt{5}}{2}'), '\\frac{1+\\sqrt{5}}{2}'),
+         (_B('\\frac{\\sqrt2}{2}'), '\\frac{\\sqrt{3}}{2}'), (_B('\\frac{3}{\\sqrt{2}}'), '\\sqrt{2}'),
+         (_B('1+\\frac1{7}'), '\\frac{9}{7}'), (_B('\\cfrac{1}{\\sqrt{2}}'), '\\sqrt2')]),
+    'poly_exponent': (
+        [(_B('x^2+2x+1'), '(x+1)^2'), (_B('3+2x'), '2x+3'), (_B('x^2 - 1'), '(x-1)(x+1)'),
+         (_B('2x^3+x'), 'x(2x^2+1)')],
+        [(_B('x^2+2x+2'), '(x+1)^2'), (_B('3+2x'), '2x-3'), (_B('x^3+1'), 'x^2+1'), (_B('x^2+1'), 'x^{2+1}')]),
+    'unit_after_expr': (
+        [(_B('\\frac{3}{4}\\text{ inches}'), '\\frac34'), (_B('5\\textnormal{ miles}'), '5'),
+         (_B('15\\mbox{ cm}^2'), '15'), (_B('2\\sqrt{3}\\text{ cm}'), '2\\sqrt3'), (_B('15 cm^2'), '15')],
+        [(_B('\\frac{3}{5}\\text{ inches}'), '\\frac34'), (_B('6\\textnormal{ miles}'), '5'),
+         (_B('16\\mbox{ cm}^2'), '15')]),
+    'structured': (
+        [(_B('(-\\infty, 2) \\cup (3, \\infty)'), '(-\\infty,2)\\cup(3,\\infty)'),
+         (_B('(3, \\infty) \\cup (-\\infty, 2)'), '(-\\infty,2)\\cup(3,\\infty)'),
+         (_B('(1, 2), (3, 4)'), '(3,4),(1,2)'), (_B('\\{(1, 2), (3, 4)\\}'), '\\{(1,2),(3,4)\\}'),
+         (_B('(\\frac12, 1), (2, 3)'), '(0.5, 1), (2, 3)'),
+         (_B('\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}'), '\\begin{bmatrix}1&2\\\\3&4\\end{bmatrix}'),
+         (_B('\\begin{pmatrix}\\frac12&0\\\\0&1\\end{pmatrix}'), '\\begin{pmatrix} 0.5 & 0 \\\\ 0 & 1 \\end{pmatrix}'),
+         (_B('\\left[ \\begin{matrix} 1 \\\\ 2 \\end{matrix} \\right]'), '\\begin{pmatrix}1\\\\2\\end{pmatrix}')],
+        [(_B('(-\\infty, 2] \\cup (3, \\infty)'), '(-\\infty,2)\\cup(3,\\infty)'),
+         (_B('(-\\infty, 2)'), '(-\\infty,2)\\cup(3,\\infty)'), (_B('(1, 2), (4, 3)'), '(3,4),(1,2)'),
+         (_B('\\{(2, 1), (3, 4)\\}'), '\\{(1,2),(3,4)\\}'),
+         (_B('\\begin{pmatrix} 1 & 2 \\\\ 4 & 3 \\end{pmatrix}'), '\\begin{bmatrix}1&2\\\\3&4\\end{bmatrix}'),
+         (_B('\\begin{pmatrix} 1 & 2 & 3 & 4 \\end{pmatrix}'), '\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}')]),
+    'relations_prefixes': (
+        [(_B('x \\geq 5'), 'x\\ge5'), (_B('x >= 5'), 'x \\geq 5'), (_B('5 \\le x'), 'x\\ge 5'),
+         (_B('x \\in [2, 5)'), '[2,5)'), (_B('(x, y) = (1, 2)'), '(1,2)'), (_B('x \\neq 3'), 'x \\ne 3'),
+         (_B('f(x) = 2x+1'), '2x+1')],
+        [(_B('x > 5'), 'x \\geq 5'), (_B('x \\geq 6'), 'x\\ge5'), (_B('x \\le 5'), 'x\\ge 5'),
+         (_B('x \\in [2, 5]'), '[2,5)'), (_B('(x, y) = (2, 1)'), '(1,2)')]),
+    'multiple_choice': (
+        [(_B('\\text{(C)}'), 'C'), (_B('(C)'), 'C'), (_B('C'), '\\text{(C)}'), ('Answer: (C)', '(C)'),
+         (_B('\\textbf{(C)}'), 'C')],
+        [(_B('\\text{(B)}'), 'C'), (_B('(D)'), 'C'), (_B('C'), '\\text{(A)}')]),
+    'minerva': (
+        [('Final Answer: The final answer is $42$. I hope it is correct.', '42'),
+         ('Final Answer: The final answer is $\\frac{1}{2}$. I hope it is correct.', '0.5')],
+        [('Final Answer: The final answer is $43$. I hope it is correct.', '42'),
+         ('Final Answer: The final answer is $42$ or $43$. I hope it is correct.', '42')]),
+    'next_line': (
+        [('so we are done.\nAnswer:\n42', '42'), ('Answer:\n\n$\\frac{1}{2}$\n', '1/2'),
+         ('**Answer:**\n$$\n7\n$$', '7')],
+        [('so we are done.\nAnswer:\n43', '42'), ('Answer:\n\n', '42'), ('Answer: 41\n42', '42')]),
+    'grouping_braces': (
+        [(_B('{42}'), '42'), (_B('{{42}}'), '42'), (_B('42'), '{42}'), (_B('{\\frac12}'), '0.5')],
+        [(_B('{43}'), '42'), (_B('{{4}}'), '42'), (_B('{42, 43}'), '42')]),
+    'prose_and_brace_lists': (
+        [(_B('2, 3'), '2 and 3'), (_B('3 and 2'), '2 and 3'), (_B('2, 3, 5'), '{2, 3, 5}'),
+         (_B('\\{5, 3, 2\\}'), '{2, 3, 5}'), (_B('2, 3, and 5'), '2, 3, 5')],
+        [(_B('2'), '2 and 3'), (_B('2, 4'), '2 and 3'), (_B('2, 3'), '{2, 3, 5}'),
+         (_B('(2, 3, 5)'), '{2, 3, 5}')]),
+    'no_sympy_form': (
+        [(_B('\\alpha + \\beta'), '\\alpha+\\beta'), (_B('AB + CD'), 'AB+CD'), (_B('f^{-1}(x)'), 'f^{-1} (x)'),
+         (_B('\\overline{AB}'), '\\overline{ AB}')],
+        [(_B('\\alpha + \\gamma'), '\\alpha+\\beta'), (_B('AB + CE'), 'AB+CD'), (_B('f^{-2}(x)'), 'f^{-1}(x)')]),
+    'decimal_radicals': (
+        [(_B('10\\sqrt{10.5}'), '5\\sqrt{42}'), (_B('\\sqrt{0.25}'), '\\frac12'),
+         (_B('2.5\\sqrt{2}'), '\\frac{5\\sqrt2}{2}')],
+        [(_B('10\\sqrt{10.4}'), '5\\sqrt{42}'), (_B('\\sqrt{0.26}'), '\\frac12'),
+         (_B('2.5\\sqrt{3}'), '\\frac{5\\sqrt2}{2}')]),
+    'scientific': (
+        [(_B('1.5\\times10^{3}'), '1500'), (_B('1.5e3'), '1500'), (_B('1e999999999'), '10^{999999999}'),
+         (_B('2^{10}'), '1024')],
+        [(_B('1.5\\times10^{4}'), '1500'), (_B('1e999999999'), '42'), (_B('1e-999999999'), '0'),
+         (_B('2^{10}'), '1000')]),
+}
+
+
+@pytest.mark.parametrize("response, gt", [
+    pytest.param(r, g, id=f"{name}-{i}") for name, (acc, _) in ANSWER_CLASSES.items() for i, (r, g) in enumerate(acc)])
+def test_answer_classes_accept(response, gt):
+    assert is_correct(response, gt)
+
+
+@pytest.mark.parametrize("response, gt", [
+    pytest.param(r, g, id=f"{name}-{i}") for name, (_, rej) in ANSWER_CLASSES.items() for i, (r, g) in enumerate(rej)])
+def test_answer_classes_reject(response, gt):
+    assert not is_correct(response, gt)
+
+
+def test_answer_classes_score_batch_agrees():
+    """The batch path (in-process verdicts plus sympy workers) grades every class case alike."""
+    cases = [(r, g, ok) for acc, rej in ANSWER_CLASSES.values() for ok, pairs in ((True, acc), (False, rej))
+             for r, g in pairs]
+    correct, stats = score_batch([r for r, _, _ in cases], [g for _, g, _ in cases], timeout=20)
+    assert correct == [ok for _, _, ok in cases]
+    assert stats["timeouts"] == 0 and stats["errors"] == 0
+
+
+# =========================================================================================
 # reward.py: adversarial inputs are rejected fast
 
 @pytest.mark.parametrize("response, gt", [
@@ -111,6 +235,20 @@ def test_score_values():
     ("answer " * 50_000, "1"),
     ("((((((((((((((1))))))))))))))", "1"),
     ("\\boxed{" + "(" * 20 + "1" + ")" * 20 + "}", "1"),
+    ("Answer: 1e999999999", "42"),                # huge numbers in every numeric form: no big-int work
+    ("Answer: 1e-999999999", "0"),
+    ("Answer: 1E+999999999", "1e999999998"),
+    ("\\boxed{1.5\\times10^{999999999}}", "42"),
+    ("\\boxed{2.5 \\cdot 10^{-999999999}}", "0"),
+    ("\\boxed{10^{999999999}}", "10^{999999998}"),
+    ("Answer: 10**999999999", "42"),
+    ("\\boxed{999999999^{999999999}}", "42"),
+    ("\\boxed{1e999999999x + 1}", "x + 1"),
+    ("\\boxed{x \\geq 1e999999999}", "x \\geq 5"),
+    ("\\boxed{(1e999999999, 2)}", "(1, 2)"),
+    ("Answer: 0." + "0" * 190 + "1", "0"),         # huge decimals
+    ("Answer: 1" + "0" * 190 + ".5", "1"),
+    ("\\boxed{" + ", ".join(["\\sqrt{2}"] * 20) + "}", ", ".join(["\\sqrt{3}"] * 20)),   # capped sympy calls
 ])
 def test_adversarial_is_fast(response, gt):
     is_correct("\\boxed{\\sqrt{12}}", "2\\sqrt3")   # warm sympy's import outside the timing
@@ -118,6 +256,18 @@ def test_adversarial_is_fast(response, gt):
     ok = is_correct(response, gt)
     assert time.perf_counter() - t < 0.5
     assert ok is False or response.startswith("Answer: 9")
+
+
+@pytest.mark.parametrize("response", [
+    "Answer: 1e999999999", "Answer: 1e-999999999", "\\boxed{1.5\\times10^{999999999}}", "\\boxed{10^{999999999}}",
+    "Answer: 10**999999999", "\\boxed{1e999999999x}", "\\boxed{x^{999999999}+1}", "Answer: 0." + "0" * 190 + "1"])
+def test_huge_numbers_are_decided_in_process(response):
+    """score_batch must not hand such answers to a worker (it would spend the whole timeout)."""
+    t = time.perf_counter()
+    correct, stats = score_batch([response] * 50, ["42"] * 50, timeout=20)
+    assert time.perf_counter() - t < 0.5
+    assert correct == [False] * 50 and stats["in_process"] == 50
+    assert is_equivalent("1e999999999", "10^{999999999}") and not is_equivalent("1e999999999", "1e999999998")
 
 
 def test_throughput_integer_answers():
