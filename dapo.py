@@ -35,6 +35,7 @@ import random
 import re
 import sys
 import time
+import types
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +109,8 @@ class Config:
     plan_nodes: int = 1              # nodes for --plan
     plan_gpus_per_node: int = 8      # GPUs per node for --plan
     plan_gpu_gb: float = 80.0        # memory per GPU for --plan, GB
+    save_dtype: str = "bfloat16"     # dtype of the Hugging Face export in checkpoints (bfloat16 or float32); resume state is always fp32
+    hf_shard_gb: float = 5.0         # largest safetensors file of the Hugging Face export, GB
 
 
 # The built-in demo's own settings, applied only when --model is not given (a flag given on the
@@ -473,24 +476,112 @@ def check_model(path, max_len=None):
     return config
 
 
-def load_policy(cfg, path, device):
+def hf_weight_files(path):
+    """The safetensors files of a Hugging Face model (sharded with an index, or a single file) and
+    {tensor name: shape} from their headers, each file checked to exist and be complete; a hub
+    name is downloaded first. Bad input is a one-line DapoError."""
+    from safetensors import safe_open
+    if not os.path.isdir(path):
+        from huggingface_hub import snapshot_download
+        try:
+            path = snapshot_download(path, allow_patterns=["*.safetensors", "*.json"])
+        except Exception as e:
+            raise DapoError(f"cannot download model '{path}' ({str(e).splitlines()[0][:200]})")
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        try:
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise DapoError(f"{index} is not a safetensors index ({type(e).__name__}: {e})")
+    elif os.path.exists(os.path.join(path, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise DapoError(f"no weights in '{path}': it has neither model.safetensors nor model.safetensors.index.json "
+                        f"(only safetensors checkpoints are supported)")
+    missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
+    if missing:
+        raise DapoError(f"'{path}' is incomplete: {len(missing)} of the {len(files)} weight files its index lists "
+                        f"are missing (first: {missing[0]})")
+    files, shapes = [os.path.join(path, f) for f in files], {}
+    for f in files:
+        try:  # reads the header only; safetensors checks that the file covers it (not truncated)
+            with safe_open(f, "pt") as r:
+                shapes.update({k: r.get_slice(k).get_shape() for k in r.keys()})
+        except Exception as e:
+            raise DapoError(f"cannot read {f}: {' '.join(str(e).split())[:200]} (a damaged or truncated file?)")
+    return files, shapes
+
+
+def load_hf_weights(model, path):
+    """Fill a sharded model from a Hugging Face checkpoint. Rank 0 alone reads, one safetensors
+    file at a time and in the file's dtype (bf16 at 32B), and set_model_state_dict broadcasts it
+    tensor by tensor; each rank copies its slice into its fp32 shard. Every rank must call this."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    want = {k: list(v.shape) for k, v in model.state_dict().items()}
+    msg = [None, []]  # rank 0 checks names and shapes first, so every rank fails alike, in one line
+    if rank() == 0:
+        try:
+            files, have = hf_weight_files(path)
+            tied = model.config.tie_word_embeddings  # a tied lm_head is stored once, as the embedding
+            missing = [k for k in want if k not in have and not (tied and k == "lm_head.weight")]
+            wrong = [f"{k} {have[k]} (model: {want[k]})" for k in want if k in have and have[k] != want[k]]
+            if missing or wrong:
+                raise DapoError(f"the weights in '{path}' do not fit its config: {len(missing)} tensors missing "
+                                f"{missing[:3]}, {len(wrong)} of the wrong shape {wrong[:3]}")
+            msg = [None, files]
+        except DapoError as e:
+            msg = [str(e), []]
+    torch.distributed.broadcast_object_list(msg, src=0)
+    if msg[0]:
+        raise DapoError(msg[0])
+    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    for f in msg[1]:  # strict=False: each file holds only part of the model
+        sd = {k: v for k, v in load_file(f).items() if k in want} if rank() == 0 else {}
+        set_model_state_dict(model, sd, options=opts)
+        del sd
+
+
+def load_policy(cfg, path, device, weights=True):
     """The trainable policy, sharded with FSDP2: each decoder layer, then the root.
-    On GPU: fp32 master weights, bf16 compute, fp32 gradient reduction."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from transformers import AutoModelForCausalLM
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    On GPU: fp32 master weights, bf16 compute, fp32 gradient reduction.
+    No rank ever holds the whole model (131 GB in fp32 at 32B): it is built on the meta device,
+    sharded, then each rank allocates only its own shard and load_hf_weights fills it.
+    weights=False leaves the parameters unset, for load_checkpoint to fill."""
+    from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
+                                        register_fsdp_forward_method)
+    from transformers import AutoConfig, AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32,
+                                                 attn_implementation="sdpa")
+    model.eval()  # as from_pretrained leaves it
     model.config.use_cache = False
     if cfg.grad_checkpointing:  # only each layer's input is kept; the rest is recomputed in backward
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()  # HF checkpoints only in train mode (Qwen2 has no dropout to switch on)
     cuda = device.type == "cuda"
+    offload = cfg.cpu_offload and cuda
     kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else MixedPrecisionPolicy(),
-          "offload_policy": CPUOffloadPolicy() if (cfg.cpu_offload and cuda) else OffloadPolicy()}
+          "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy()}
     for layer in model.model.layers:
         fully_shard(layer, **kw)
     fully_shard(model, **kw)
-    return model if (cfg.cpu_offload and cuda) else model.to(device)
+    # PLUMBING: FSDP gathers the root's weights (embedding, final norm, head) around forward();
+    # forward_logprobs uses them outside forward(), so it is registered as a forward method too
+    model.forward_logprobs = types.MethodType(forward_logprobs, model)
+    register_fsdp_forward_method(model, "forward_logprobs")
+    model.to_empty(device="cpu" if offload else device)  # allocates this rank's shard, uninitialised
+    # Non-persistent buffers (RoPE's inv_freq) are in no checkpoint: recompute them as transformers does.
+    for name, m in model.named_modules():
+        if m._non_persistent_buffers_set & set(m._buffers):
+            if "RotaryEmbedding" not in type(m).__name__:
+                raise DapoError(f"load_policy cannot initialise the non-persistent buffers of {name} "
+                                f"({type(m).__name__}): only rotary embeddings are known")
+            model._init_weights(m)
+    if weights:
+        load_hf_weights(model, path)
+    return model
 
 
 def start_engine(cfg, path, device):
@@ -529,19 +620,44 @@ def sync_weights(model, llm):
     llm.reset_prefix_cache()
 
 
-def save_hf(model, tokenizer, path):
-    """The policy as a Hugging Face checkpoint (safetensors + config + tokenizer) that
-    transformers and vLLM load directly. Every rank takes part in gathering; rank 0 writes."""
+def save_hf(model, tokenizer, path, dtype=torch.bfloat16, shard_gb=5.0):
+    """The policy as a Hugging Face checkpoint that transformers and vLLM load directly:
+    safetensors files of at most shard_gb GB in `dtype`, model.safetensors.index.json, config,
+    generation config and tokenizer. No rank holds the whole model: parameters are cast and
+    gathered one at a time (full_tensor() is a collective: every rank calls it, in the same
+    order), and file i is kept and written by rank i % world, so the writing is spread out."""
+    import copy
     from safetensors.torch import save_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    sd = model.state_dict()
+    if model.config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)  # tied: stored once, as the embedding
+    shards, size = [[]], 0  # names per file, planned from the shapes alone
+    for name, t in sd.items():
+        n = t.numel() * dtype.itemsize
+        if shards[-1] and size + n > shard_gb * 1e9:
+            shards, size = shards + [[]], 0
+        shards[-1].append(name)
+        size += n
+    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for i, (names, file) in enumerate(zip(shards, files)):
+        out = {}
+        for name in names:
+            t = sd[name].to(dtype)  # cast the local shard before gathering: half the traffic in bf16
+            t = t.full_tensor() if hasattr(t, "full_tensor") else t
+            if i % world() == rank():
+                out[name] = t.cpu()
+        if out:
+            os.makedirs(path, exist_ok=True)
+            save_file(out, os.path.join(path, file), metadata={"format": "pt"})
     if rank() == 0:
-        if model.config.tie_word_embeddings:
-            sd.pop("lm_head.weight", None)  # tied: stored once, as the embedding
         os.makedirs(path, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(path, "model.safetensors"),
-                  metadata={"format": "pt"})
-        model.config.save_pretrained(path)
+        index = {"metadata": {"total_size": sum(t.numel() for t in sd.values()) * dtype.itemsize},
+                 "weight_map": {name: file for names, file in zip(shards, files) for name in names}}
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2)
+        config = copy.deepcopy(model.config)
+        config.dtype, config.use_cache = dtype, True  # for serving (training turns the KV cache off)
+        config.save_pretrained(path)
         model.generation_config.save_pretrained(path)
         tokenizer.save_pretrained(path)
     torch.distributed.barrier()
@@ -888,7 +1004,7 @@ def print_plan(cfg):
 RESUMABLE = {"steps", "out_dir", "resume", "eval_only", "eval_every", "eval_samples", "eval_temperature",
              "eval_top_p", "eval_max_prompts", "eval_data", "save_every", "keep_checkpoints", "log_samples",
              "wandb_project", "reward_timeout", "reward_workers", "cpu_kv_cache_gb", "gpu_memory_utilization",
-             "vllm_sleep"}
+             "vllm_sleep", "save_dtype", "hf_shard_gb"}
 
 
 def latest_checkpoint(out_dir):
@@ -908,14 +1024,39 @@ def check_resume(saved, cfg):
         raise DapoError("cannot resume: the config differs from the checkpoint's: " + "; ".join(diff))
 
 
+def check_checkpoint(ckpt, eval_only=False):
+    """Fail in one line, before anything slow starts, on a checkpoint with a part missing: the
+    export's files, or (to resume training) the dcp/ files its metadata lists."""
+    import torch.distributed.checkpoint as dcp
+    hf_weight_files(os.path.join(ckpt, "model"))
+    if eval_only:
+        return
+    d = os.path.join(ckpt, "dcp")
+    try:
+        meta = dcp.FileSystemReader(d).read_metadata()
+    except Exception:
+        raise DapoError(f"cannot resume from {ckpt}: no readable dcp/.metadata (the model and optimizer state; "
+                        f"a damaged checkpoint, or one from an older dapo.py): delete it to resume from the one before")
+    need = {}
+    for info in meta.storage_data.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    bad = [f for f, n in need.items() if not os.path.isfile(os.path.join(d, f)) or os.path.getsize(os.path.join(d, f)) < n]
+    if bad:
+        raise DapoError(f"cannot resume from {ckpt}: dcp/{bad[0]} is missing or truncated ({len(bad)} of "
+                        f"{len(need)} files): delete this checkpoint to resume from the one before")
+
+
 def save_checkpoint(model, opt, tokenizer, cfg, state):
-    """checkpoints/step_N/: model/ (a Hugging Face checkpoint), optim/ (the sharded optimizer
-    state, torch.distributed.checkpoint), rng_rank*.pt and state.json (step, data order, config).
+    """checkpoints/step_N/:
+      dcp/    model and optimizer state in fp32, what resume reads: every rank writes its own
+              shards (torch.distributed.checkpoint), so no rank holds the whole model;
+      model/  the Hugging Face export to serve and evaluate (--save-dtype, files of --hf-shard-gb);
+      rng_rank*.pt and state.json (step, data order, config).
     Written under a temporary name and renamed at the end, so a crash or kill mid-save leaves
     the previous checkpoint usable; only the last keep_checkpoints are kept."""
     import shutil
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict
     root = os.path.join(cfg.out_dir, "checkpoints")
     final = os.path.join(root, f"step_{state['step']:06d}")
     tmp = final + ".tmp"
@@ -923,8 +1064,8 @@ def save_checkpoint(model, opt, tokenizer, cfg, state):
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     torch.distributed.barrier()
-    save_hf(model, tokenizer, os.path.join(tmp, "model"))
-    dcp.save(get_optimizer_state_dict(model, opt), checkpoint_id=os.path.join(tmp, "optim"))
+    dcp.save(dict(zip(("model", "optim"), get_state_dict(model, opt))), checkpoint_id=os.path.join(tmp, "dcp"))
+    save_hf(model, tokenizer, os.path.join(tmp, "model"), getattr(torch, cfg.save_dtype), cfg.hf_shard_gb)
     torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, os.path.join(tmp, f"rng_rank{rank()}.pt"))
     torch.distributed.barrier()
     if rank() == 0:
@@ -939,12 +1080,16 @@ def save_checkpoint(model, opt, tokenizer, cfg, state):
 
 
 def load_checkpoint(ckpt, model, opt):
-    """Restore the optimizer state and RNG states (the weights come with the model directory)."""
+    """Restore the model (fp32 from dcp/, so resume is exact), optimizer and RNG states; each
+    rank reads only its own shards, whatever the number of ranks that wrote them."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-    osd = get_optimizer_state_dict(model, opt)
-    dcp.load(osd, checkpoint_id=os.path.join(ckpt, "optim"))
-    set_optimizer_state_dict(model, opt, osd)
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    sd = dict(zip(("model", "optim"), get_state_dict(model, opt)))
+    try:
+        dcp.load(sd, checkpoint_id=os.path.join(ckpt, "dcp"))
+    except Exception as e:
+        raise DapoError(f"cannot resume from {ckpt}: {' '.join(str(e).split())[:300]}")
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     rng_file = os.path.join(ckpt, f"rng_rank{rank()}.pt")
     if os.path.exists(rng_file):
         rng = torch.load(rng_file, weights_only=False)
@@ -1047,6 +1192,12 @@ def train(cfg):
     if cfg.wandb_project:
         import wandb
     device = init_distributed()
+    if cfg.save_dtype not in ("bfloat16", "float32") or not cfg.hf_shard_gb > 0:
+        raise DapoError(f"--save-dtype must be bfloat16 or float32 (got {cfg.save_dtype!r}) and --hf-shard-gb "
+                        f"positive (got {cfg.hf_shard_gb})")
+    if ckpt:
+        check_checkpoint(ckpt, cfg.eval_only)
+    # On resume the config and tokenizer come from the checkpoint's export; the weights from its dcp/.
     path = os.path.join(ckpt, "model") if ckpt else cfg.model
     if not path:  # the embedded default: build the tiny model on rank 0
         path = os.path.join(cfg.out_dir, "base_model")
@@ -1071,7 +1222,7 @@ def train(cfg):
         return run_eval(os.path.basename(path.rstrip("/")) or "model"), {}
     random.seed(cfg.seed + rank())  # PLUMBING: constructing LLM re-seeds the global RNGs; seed after it
     torch.manual_seed(cfg.seed)      # the same on every rank: identical initial replicas
-    model = load_policy(cfg, path, device)
+    model = load_policy(cfg, path, device, weights=not ckpt)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sampler = Sampler(len(train_rows), cfg.seed)
     if ckpt:

@@ -823,6 +823,182 @@ def test_memory_plan_32b_recipe_fits_16_nodes():
     assert not dapo.memory_plan(cfg, shape, 1, 8, 80)[1]["fits"]           # one node is too small
 
 
+# --- loading the policy and checkpoints at scale (meta-device build, sharded saves) ------------
+
+def _rss_mib(field):
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"{field}:\s+(\d+) kB", f.read()).group(1)) / 1024
+
+
+def _peak_rss_growth(fn):
+    """fn()'s result and the growth of this process's peak RSS (MiB) while it ran: the kernel's
+    high-water mark VmHWM is reset first (clear_refs 5), so earlier peaks do not count."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = _rss_mib("VmRSS")
+    out = fn()
+    return out, _rss_mib("VmHWM") - base
+
+
+def _load_worker(big_dir, tiny_dir):
+    """Under torchrun: each rank's RSS growth during load_policy and, for contrast, during a plain
+    from_pretrained(fp32) (the old way); the loaded shards against that plain load."""
+    import safetensors.torch  # noqa: F401  (imports done before measuring)
+    import transformers.models.qwen2.modeling_qwen2  # noqa: F401
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import AutoModelForCausalLM
+    device = dapo.init_distributed()
+    cfg = dapo.Config()
+    model, grew = _peak_rss_growth(lambda: dapo.load_policy(cfg, big_dir, device))
+    ref, grew_old = _peak_rss_growth(lambda: AutoModelForCausalLM.from_pretrained(big_dir, dtype=torch.float32))
+    fp32 = sum(p.numel() for p in ref.parameters()) * 4 / 2**20
+    shard = sum(p.to_local().numel() for p in model.parameters()) * 4 / 2**20
+    print(f"rank {dapo.rank()}: load_policy peak RSS growth {grew:.0f} MiB = {grew / fp32:.0%} of the fp32 model "
+          f"({fp32:.0f} MiB), of which its own fp32 shard {shard:.0f} MiB; beyond it {(grew - shard) / fp32:.0%}; "
+          f"plain from_pretrained(fp32): {grew_old:.0f} MiB = {grew_old / fp32:.0%}", flush=True)
+    ids = torch.tensor([[5, 17, 300, 4000, 31999, 12, 7, 900]])
+    for path, m, r in ((big_dir, model, ref), (tiny_dir, dapo.load_policy(cfg, tiny_dir, device),
+                                               AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32))):
+        full = get_model_state_dict(m, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        with torch.no_grad():
+            logits = (m(ids % r.config.vocab_size).logits - r.eval()(ids % r.config.vocab_size).logits).abs().max().item()
+        if dapo.rank() == 0:
+            rsd = r.state_dict()
+            assert full.keys() == rsd.keys()
+            worst = max((full[k] - rsd[k]).abs().max().item() for k in rsd)
+            rope = torch.equal(m.model.rotary_emb.inv_freq, r.model.rotary_emb.inv_freq)
+            tied = m.lm_head.weight is m.model.embed_tokens.weight
+            print(f"{os.path.basename(path)}: max |loaded - plain| = {worst:.1e} over {len(rsd)} tensors, "
+                  f"inv_freq equal {rope}, logits max diff {logits:.1e}, tied {tied}", flush=True)
+    torch.distributed.destroy_process_group()
+
+
+def test_policy_loads_from_one_reader_without_a_full_copy_per_rank(tiny_model, tmp_path):
+    """A 66M-parameter Qwen2 saved in bf16 as 4 safetensors files: load_policy on 2 ranks gives
+    exactly a plain fp32 from_pretrained (weights, RoPE inv_freq, logits; the tied demo model
+    stays tied), and rank 1 grows by its own fp32 shard (half the model on 2 ranks) plus less
+    than 25% of the fp32 model, where a plain from_pretrained(fp32) grows by all of it."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    big = str(tmp_path / "big")
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=32000, hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=256,
+                         tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    n = sum(p.numel() for p in model.parameters())
+    assert n >= 50e6
+    model.save_pretrained(big, max_shard_size="40MB")
+    del model
+    assert len([f for f in os.listdir(big) if f.endswith(".safetensors")]) >= 3
+    out = _torchrun(2, "test_dapo.py", "load", big, tiny_model)
+    assert out.returncode == 0, out.stderr[-3000:]
+    print(out.stdout)
+    figures = {r: list(map(float, m)) for r, *m in re.findall(
+        r"rank (\d): load_policy peak RSS growth (\d+) MiB .*?\((\d+) MiB\), of which its own fp32 shard (\d+) MiB; "
+        r"beyond it .*?plain from_pretrained\(fp32\): (\d+) MiB", out.stdout)}
+    grew, fp32, shard, old = figures["1"]
+    assert grew - shard < 0.25 * fp32 and old > 0.9 * fp32
+    for name in ("big", "model"):
+        assert re.search(rf"{name}: max \|loaded - plain\| = 0\.0e\+00 over \d+ tensors, inv_freq equal True, "
+                         rf"logits max diff 0\.0e\+00, tied {name == 'model'}", out.stdout), out.stdout
+
+
+def _export_worker(model_dir, out_dir):
+    """Under torchrun: one optimizer step (so the weights are the trainer's own), then the
+    Hugging Face export in bf16 and in fp32 with a tiny file limit, and the trainer's weights."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import AutoTokenizer
+    device = dapo.init_distributed()
+    model = dapo.load_policy(dapo.Config(), model_dir, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.tensor([[20, 5, 6, 13, 7, 8, 15, 21]])).logits.sum().backward()
+    opt.step()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    for dtype in (torch.bfloat16, torch.float32):
+        dapo.save_hf(model, tokenizer, os.path.join(out_dir, str(dtype)[6:]), dtype, shard_gb=0.0002)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dapo.rank() == 0:
+        torch.save(full, os.path.join(out_dir, "trainer.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def test_hf_export_is_sharded_and_loads_in_transformers(tiny_model, tmp_path):
+    """The export: several files of at most --hf-shard-gb (here 200 kB) written by both ranks,
+    an index naming every tensor once (a tied lm_head is left out), bf16 by default; transformers
+    loads it, and its weights are the trainer's cast to the export dtype, exactly."""
+    from transformers import AutoModelForCausalLM
+    out = _torchrun(2, "test_dapo.py", "export", tiny_model, str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    trainer = torch.load(tmp_path / "trainer.pt")
+    for dtype in (torch.bfloat16, torch.float32):
+        d = tmp_path / str(dtype)[6:]
+        index = json.load(open(d / "model.safetensors.index.json"))
+        files = sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))
+        assert sorted(set(index["weight_map"].values())) == files and len(files) >= 4
+        assert set(index["weight_map"]) == set(trainer) - {"lm_head.weight"}
+        for f in files:   # within the limit (+ the safetensors header), unless one tensor alone exceeds it
+            assert os.path.getsize(d / f) < 200e3 + 10e3 or list(index["weight_map"].values()).count(f) == 1
+        assert json.load(open(d / "config.json"))["dtype"] == str(dtype)[6:]
+        m = AutoModelForCausalLM.from_pretrained(d)
+        assert m.dtype == dtype and m.lm_head.weight is m.model.embed_tokens.weight
+        sd = m.state_dict()
+        worst = max((sd[k].float() - trainer[k].to(dtype).float()).abs().max().item() for k in trainer)
+        moved = max((sd[k].float() - trainer[k]).abs().max().item() for k in trainer)
+        print(f"{dtype}: {len(files)} files; max |transformers - trainer cast to {dtype}| = {worst:.1e} "
+              f"(to the fp32 trainer: {moved:.1e})")
+        assert worst == 0
+
+
+def test_bad_checkpoints_fail_in_one_line(tiny_model, tmp_path):
+    import torch.distributed.checkpoint as dcp
+    ck = tmp_path / "checkpoints" / "step_000002"
+    shutil.copytree(tiny_model, ck / "model")
+    os.remove(ck / "model" / "model.safetensors")
+    with pytest.raises(dapo.DapoError, match="neither model.safetensors nor model.safetensors.index.json"):
+        dapo.check_checkpoint(str(ck))
+    (ck / "model" / "model.safetensors.index.json").write_text("{\"weight_map\": 3}")
+    with pytest.raises(dapo.DapoError, match="is not a safetensors index"):
+        dapo.check_checkpoint(str(ck))
+    shutil.copy(os.path.join(tiny_model, "model.safetensors"), ck / "model" / "model-00001-of-00002.safetensors")
+    (ck / "model" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(dapo.DapoError, match=r"1 of the 2 weight files its index lists are missing \(first: model-00002"):
+        dapo.check_checkpoint(str(ck))
+    os.remove(ck / "model" / "model.safetensors.index.json")
+    shutil.move(ck / "model" / "model-00001-of-00002.safetensors", ck / "model" / "model.safetensors")
+    dapo.check_checkpoint(str(ck), eval_only=True)     # the export alone is enough to evaluate
+    with open(ck / "model" / "model.safetensors", "r+b") as f:
+        f.truncate(5000)
+    with pytest.raises(dapo.DapoError, match=r"cannot read .*model.safetensors: .*\(a damaged or truncated file\?\)"):
+        dapo.check_checkpoint(str(ck), eval_only=True)
+    shutil.copy(os.path.join(tiny_model, "model.safetensors"), ck / "model" / "model.safetensors")
+    with pytest.raises(dapo.DapoError, match="no readable dcp/.metadata"):
+        dapo.check_checkpoint(str(ck))
+    dcp.save({"w": torch.zeros(1000)}, checkpoint_id=str(ck / "dcp"))   # no process group: one writer
+    dapo.check_checkpoint(str(ck))
+    shard = next(f for f in os.listdir(ck / "dcp") if f.endswith(".distcp"))
+    with open(ck / "dcp" / shard, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(dapo.DapoError, match=rf"dcp/{shard} is missing or truncated"):
+        dapo.check_checkpoint(str(ck))
+    # through the command line: a one-line error before anything slow starts
+    args = ["--model", tiny_model, "--max-prompt-len", "16", "--max-response-len", "8", "--overlong-cache-len", "2",
+            "--out-dir", str(tmp_path)]
+    state = {"step": 2, "sampler": [0, 0], "first_eval": {}, "config": dataclasses.asdict(dapo.parse_config(args))}
+    (ck / "state.json").write_text(json.dumps(state))
+    out = subprocess.run([sys.executable, "dapo.py", *args, "--resume"], cwd=HERE, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert re.fullmatch(rf"error: cannot resume from \S+: dcp/{shard} is missing or truncated .*\n", out.stderr), out.stderr
+
+
+def _dcp_model(ckpt):
+    """The fp32 model weights a checkpoint's dcp/ holds, read without a process group."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    dcp_to_torch_save(os.path.join(ckpt, "dcp"), os.path.join(ckpt, "dcp.pt"))
+    return torch.load(os.path.join(ckpt, "dcp.pt"))["model"]
+
+
 # --- end to end: the demo, a few steps, through vLLM + FSDP2 + weight sync --------------------
 
 E2E_ARGS = ["--demo-sft-target", "0.1", "--prompts-per-step", "16", "--gen-batch-size", "24",
@@ -848,7 +1024,7 @@ def _check_run(out_dir, stdout, steps=3):
     # ... and the weights moved far more than that, so stale weights in vLLM would show
     base = load_file(os.path.join(out_dir, "base_model", "model.safetensors"))
     final_dir = os.path.join(out_dir, "checkpoints", f"step_{steps:06d}", "model")
-    final = load_file(os.path.join(final_dir, "model.safetensors"))
+    final = _dcp_model(os.path.dirname(final_dir))   # the fp32 resume state
     moved = max((base[k] - final[k]).abs().max().item() for k in base)
     change = _logprob_change(os.path.join(out_dir, "base_model"), final_dir)   # transformers loads it
     print(f"sync/logp_diff_max per step {sync}; weights moved up to {moved:.2e}; "
@@ -862,7 +1038,8 @@ def _check_run(out_dir, stdout, steps=3):
 def _logprob_change(a, b):
     from transformers import AutoModelForCausalLM
     ids = torch.tensor([[20, 5, 6, 13, 7, 8, 15, 21, 22, 18, 9, 10, 1]])
-    lp = [torch.log_softmax(AutoModelForCausalLM.from_pretrained(p).eval()(ids).logits, -1) for p in (a, b)]
+    lp = [torch.log_softmax(AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()(ids).logits, -1)
+          for p in (a, b)]
     return (lp[0] - lp[1]).abs().max().item()
 
 
@@ -894,19 +1071,19 @@ def test_end_to_end_torchrun_tensor_parallel_2(tmp_path):
 # --- checkpoints, resume, evaluation ----------------------------------------------------------
 
 def test_resume_reproduces_a_straight_run(tmp_path):
-    """4 straight steps == 2 steps, then --resume for 2 more (weights within 1e-5); also:
-    keeping the last K checkpoints, and an eval-only run of a saved checkpoint through vLLM."""
-    from safetensors.torch import load_file
+    """4 straight steps == 2 steps, then --resume for 2 more (fp32 weights within 1e-5); also:
+    keeping the last K checkpoints, and an eval-only run through vLLM of a saved checkpoint's
+    bf16 Hugging Face export, split into several files by a small --hf-shard-gb."""
     a, b = tmp_path / "straight", tmp_path / "resumed"
-    out = _dapo("--steps", "4", "--save-every", "1", "--keep-checkpoints", "3", "--out-dir", str(a))
+    out = _dapo("--steps", "4", "--save-every", "1", "--keep-checkpoints", "3", "--hf-shard-gb", "0.0002",
+                "--out-dir", str(a))
     assert out.returncode == 0, out.stderr[-4000:]
     assert sorted(os.listdir(a / "checkpoints")) == ["step_000002", "step_000003", "step_000004"]
     shutil.copytree(a / "checkpoints" / "step_000002", b / "checkpoints" / "step_000002")
     out = _dapo("--steps", "4", "--resume", "--out-dir", str(b))
     assert out.returncode == 0, out.stderr[-4000:]
     assert "resumed from" in out.stdout and "step 2" in out.stdout
-    wa = load_file(a / "checkpoints" / "step_000004" / "model" / "model.safetensors")
-    wb = load_file(b / "checkpoints" / "step_000004" / "model" / "model.safetensors")
+    wa, wb = (_dcp_model(d / "checkpoints" / "step_000004") for d in (a, b))
     worst = max((wa[k] - wb[k]).abs().max().item() for k in wa)
     print(f"resume: max |w(4 straight) - w(2 + resume + 2)| = {worst:.2e}")
     assert worst < 1e-5
@@ -917,7 +1094,10 @@ def test_resume_reproduces_a_straight_run(tmp_path):
     assert run["config"]["steps"] == 4 and "torch" in run["versions"]
     samples = [json.loads(x) for x in open(a / "samples.jsonl")]
     assert len(samples) == 4 * 4 and {"prompt", "response", "answer", "reward"} <= samples[0].keys()
-    # eval-only: the saved Hugging Face checkpoint loads in vLLM and is scored
+    # eval-only: the saved Hugging Face export (bf16, several files) loads in vLLM and is scored
+    export = a / "checkpoints" / "step_000004" / "model"
+    assert len([f for f in os.listdir(export) if f.endswith(".safetensors")]) >= 4
+    assert json.load(open(export / "config.json"))["dtype"] == "bfloat16"
     out = subprocess.run([sys.executable, "dapo.py", "--eval-only", "--model", str(a / "checkpoints" / "step_000004" / "model"),
                           "--max-prompt-len", "16", "--max-response-len", "8", "--eval-samples", "2", "--eval-max-prompts", "32"],
                          cwd=HERE, capture_output=True, text=True, timeout=600)
@@ -936,7 +1116,7 @@ def test_interrupted_save_leaves_the_previous_checkpoint(tmp_path):
     root = tmp_path / "checkpoints"
     (root / "step_000002").mkdir(parents=True)
     (root / "step_000002" / "state.json").write_text("{}")
-    (root / "step_000004.tmp").mkdir()                 # a save killed before its rename
+    (root / "step_000004.tmp" / "dcp").mkdir(parents=True)   # a save killed before its rename
     (root / "step_000003").mkdir()                     # no state.json: incomplete
     assert dapo.latest_checkpoint(str(tmp_path)) == str(root / "step_000002")
     assert dapo.latest_checkpoint(str(tmp_path / "none")) is None
@@ -951,3 +1131,9 @@ def test_pass_at_k_unbiased():
 if __name__ == "__main__":  # helpers launched by the tests above (under torchrun or alone)
     if sys.argv[1] == "grad":
         _grad_worker(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:]))
+    elif sys.argv[1] == "load":
+        _load_worker(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "mixed_precision":
+        _mixed_precision_worker()
+    elif sys.argv[1] == "export":
+        _export_worker(sys.argv[2], sys.argv[3])
