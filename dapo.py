@@ -286,49 +286,180 @@ def token_logprobs(logits, targets, temperature=1.0, chunk=1024):
 # -----------------------------------------------------------------------------------------
 # Data: DAPO-Math-17k / AIME-2024 parquet (verl schema) or JSONL, as [{"prompt", "answer"}]
 
-def load_data(path, dedup=True):
-    """Rows of {"prompt": str | chat messages, "answer": str}. Errors name the problem and fix."""
+DATA_FORMATS = ("give a .parquet file in the verl schema, a .jsonl file with one JSON object per line, "
+                "or a .json file holding an array of objects")
+ALTERNATIVE = {"prompt": ["problem"], "problem": ["prompt"], "answer": ["reward_model"], "reward_model": ["answer"]}
+ROW_SCHEMA = ("each row needs `prompt` (or `problem`): a string or a list of {role, content} messages, "
+              "and `answer` (or `reward_model.ground_truth`): a string or a number")
+
+
+def _kind(v):
+    """A value's type in the user's (JSON) words, for error messages."""
+    names = {dict: "an object", list: "a list", tuple: "a list", str: "a string", bool: "a boolean",
+             int: "a number", float: "a number", bytes: "binary data", type(None): "null"}
+    return names.get(type(v), type(v).__name__)
+
+
+def _jsonl_rows(path):
+    """[(row, where)] from JSON Lines, read line by line (the file may be large)."""
+    rows = []
+    with open(path, "rb") as f:
+        for ln, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8-sig" if ln == 1 else "utf-8")  # a UTF-8 BOM is fine
+            except UnicodeDecodeError as e:
+                raise DapoError(f"{path} line {ln} is not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
+                                f"{e.start + 1}): re-save the file as UTF-8, e.g. iconv -f latin1 -t utf-8")
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except (ValueError, RecursionError) as e:  # RecursionError: absurdly nested arrays
+                why = (f"{e.msg}: column {e.colno}" if isinstance(e, json.JSONDecodeError) else "nested too deeply"
+                       if isinstance(e, RecursionError) else str(e).split(";")[0][:100])
+                fix = ("the file looks truncated: re-download it, or delete this last line" if not raw.endswith(b"\n")
+                       else "a pretty-printed JSON array? name the file .json" if ln == 1 and line.strip() == "["
+                       else "each line must be one complete JSON object: fix or delete this line")
+                raise DapoError(f"{path} line {ln} is not valid JSON ({why}): {fix}")
+            if isinstance(row, list) and path.lower().endswith(".jsonl"):
+                raise DapoError(f"{path} row {len(rows)} (line {ln}): expected one JSON object per line, got a list "
+                                f"(a JSON array of rows goes in a .json file)")
+            rows.append((row, f"row {len(rows)} (line {ln})"))
+    return rows
+
+
+def _read_rows(path):
+    """[(row, where)] from a .parquet, .jsonl or .json file; `where` names the row (and line).
+    Whatever the file holds, failure is a one-line DapoError naming the file, problem and fix."""
     if not os.path.exists(path):
-        raise DapoError(f"data file not found: {path} (give a .parquet or .jsonl path)")
-    if path.endswith(".parquet"):
+        raise DapoError(f"data file not found: {path} ({DATA_FORMATS})")
+    if os.path.isdir(path):
+        raise DapoError(f"{path} is a directory, not a data file ({DATA_FORMATS})")
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in (".parquet", ".jsonl", ".json"):
+        raise DapoError(f"unknown data format: {path} ({DATA_FORMATS})")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError as e:
+        raise DapoError(f"cannot read {path}: {e.strerror} (check the path and its permissions)")
+    if not head.strip():
+        raise DapoError(f"{path} is empty: it has no rows ({DATA_FORMATS})")
+    if ext == ".parquet":
+        if head.lstrip()[:1] in (b"{", b"["):
+            raise DapoError(f"{path} holds JSON, not parquet: name it .jsonl (one object per line) or .json (an array)")
         import pyarrow.parquet as pq
         try:
             rows = pq.read_table(path).to_pylist()
         except Exception as e:
-            raise DapoError(f"cannot read parquet file {path}: {str(e).splitlines()[0]}")
-    elif path.endswith((".jsonl", ".json")):
-        rows = []
-        with open(path) as f:
-            for i, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise DapoError(f"{path} line {i} is not valid JSON ({e.msg})")
-    else:
-        raise DapoError(f"unknown data format: {path} (use .parquet in the verl schema or .jsonl)")
-    if not rows:
-        raise DapoError(f"{path} has no rows")
+            why = str(e).strip().split("\n")[0][:200]
+            raise DapoError(f"cannot read parquet file {path}: {why} (is it a complete parquet file? re-download "
+                            f"or re-export it, e.g. with pandas.DataFrame.to_parquet)")
+        return [(row, f"row {i}") for i, row in enumerate(rows)]
+    # .jsonl / .json: recognise the usual wrong files before reading them as text
+    wrong = ("it is a parquet file: name it .parquet" if head.startswith(b"PAR1")
+             else "it is gzip-compressed: decompress it first (gunzip)" if head.startswith(b"\x1f\x8b")
+             else "it is a zip archive: extract it first" if head.startswith(b"PK\x03\x04")
+             else "it is UTF-16 text: re-save it as UTF-8" if head.startswith((b"\xff\xfe", b"\xfe\xff"))
+             else "it is a binary file (it holds NUL bytes): give the JSON data file" if b"\x00" in head else None)
+    if wrong:
+        raise DapoError(f"{path} is not JSON text: {wrong}")
+    if ext == ".jsonl":
+        return _jsonl_rows(path)
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        ln = data.count(b"\n", 0, e.start) + 1
+        col = e.start - data.rfind(b"\n", 0, e.start)
+        raise DapoError(f"{path} line {ln} is not UTF-8 text (byte 0x{data[e.start]:02x} at column {col}): "
+                        f"re-save the file as UTF-8, e.g. iconv -f latin1 -t utf-8")
+    try:
+        doc = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        if isinstance(e, json.JSONDecodeError) and e.msg == "Extra data":
+            return _jsonl_rows(path)  # JSON Lines named .json (what datasets' to_json writes)
+        why = (f"{e.msg}: line {e.lineno} column {e.colno}" if isinstance(e, json.JSONDecodeError) else
+               "nested too deeply" if isinstance(e, RecursionError) else str(e).split(";")[0][:100])
+        fix = ("the file looks truncated: re-download or re-export it" if not text.rstrip().endswith(("]", "}"))
+               else "fix the JSON at that place")
+        raise DapoError(f"{path} is not valid JSON ({why}): {fix}")
+    if not isinstance(doc, list):
+        keys = f" (its keys: {sorted(doc)[:8]}; if the rows are under one of them, save that array alone)" if isinstance(doc, dict) else ""
+        raise DapoError(f"{path} holds {_kind(doc)}, not an array of rows: write it as "
+                        f"[{{\"prompt\": ..., \"answer\": ...}}, ...] or as JSON Lines (.jsonl){keys}")
+    return [(row, f"row {i}") for i, row in enumerate(doc)]
+
+
+def _row_prompt(row, at):
+    """The row's prompt (`prompt`, else `problem`), checked: a string or chat messages."""
+    name = "prompt" if row.get("prompt") is not None else "problem"
+    p = row.get(name)
+    fix = "give the question as a string, or as a list of {\"role\": ..., \"content\": ...} messages"
+    if isinstance(p, str):
+        if not p.strip():
+            raise DapoError(f"{at}: `{name}` is empty ({fix})")
+        return p
+    if not isinstance(p, list) or not p:
+        raise DapoError(f"{at}: `{name}` must be a string or a non-empty list of messages, got {_kind(p)} ({fix})")
+    for k, m in enumerate(p):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            got = f"an object with keys {sorted(map(str, m))[:6]}" if isinstance(m, dict) else _kind(m)
+            raise DapoError(f"{at}: `{name}` message {k} must be {{role, content}} with string values, got {got} ({fix})")
+    if not any(m["content"].strip() for m in p):
+        raise DapoError(f"{at}: `{name}` messages are all empty ({fix})")
+    return p
+
+
+def _row_answer(row, at):
+    """The row's answer (`reward_model.ground_truth`, else `answer`) as a non-empty string."""
+    import decimal
+    rm = row.get("reward_model")
+    if rm is not None and not isinstance(rm, dict):
+        raise DapoError(f"{at}: `reward_model` must be an object like {{\"ground_truth\": \"42\"}}, got {_kind(rm)}")
+    name = "reward_model.ground_truth" if rm and rm.get("ground_truth") is not None else "answer"
+    v = rm["ground_truth"] if name != "answer" else row.get("answer")
+    if v is None:
+        raise DapoError(f"{at}: `reward_model` has no `ground_truth` and the row has no `answer` "
+                        f"(give the expected final answer in one of them)")
+    if isinstance(v, bool) or not isinstance(v, (str, int, float, decimal.Decimal)):
+        raise DapoError(f"{at}: `{name}` must be a string or a number, got {_kind(v)} "
+                        f"(give the expected final answer, e.g. \"42\")")
+    if isinstance(v, (float, decimal.Decimal)) and not math.isfinite(v):
+        raise DapoError(f"{at}: `{name}` is {v} (give the expected final answer as a string or a finite number)")
+    answer = str(v).strip()
+    if not answer:
+        raise DapoError(f"{at}: empty answer (`{name}` is blank: give the expected final answer)")
+    return answer
+
+
+def load_data(path, dedup=True):
+    """Rows of {"prompt": str | chat messages, "answer": str} from .parquet (verl schema), .jsonl
+    or .json (an array of rows). Errors are one line: file, row (and line), problem and fix."""
     out, seen = [], set()
-    for i, row in enumerate(rows):
+    for row, where in _read_rows(path):
+        at = f"{path} {where}"
         if not isinstance(row, dict):
-            raise DapoError(f"{path} row {i}: expected an object, got {type(row).__name__}")
-        prompt = row.get("prompt", row.get("problem"))
-        answer = (row.get("reward_model") or {}).get("ground_truth") if "reward_model" in row else row.get("answer")
-        if prompt is None or answer is None:
-            raise DapoError(f"{path} row {i}: missing columns; need `prompt` (chat messages) and "
-                            f"`reward_model.ground_truth` (verl parquet), or `prompt`/`problem` and "
-                            f"`answer` (JSONL); found {sorted(row)}")
-        answer = str(answer).strip()
-        if not answer:
-            raise DapoError(f"{path} row {i}: empty answer")
-        if isinstance(prompt, list) and not all(isinstance(m, dict) and "content" in m for m in prompt):
-            raise DapoError(f"{path} row {i}: `prompt` must be a string or a list of {{role, content}} messages")
-        key = json.dumps(prompt, sort_keys=True)
+            raise DapoError(f"{at}: expected an object, got {_kind(row)} ({ROW_SCHEMA})")
+        for c in ("prompt", "problem", "answer", "reward_model"):  # a null cell: e.g. a parquet row with a gap
+            if c in row and row[c] is None and not any(row.get(o) is not None for o in ALTERNATIVE[c]):
+                raise DapoError(f"{at}: `{c}` is null (an empty cell): fill it in or drop the row")
+        missing = [c for c, ok in (("`prompt`/`problem`", row.get("prompt") is not None or row.get("problem") is not None),
+                                   ("`answer`/`reward_model`", row.get("answer") is not None or row.get("reward_model") is not None))
+                   if not ok]
+        if missing:
+            raise DapoError(f"{at}: missing columns ({' and '.join(missing)}); need `prompt` (chat messages) and "
+                            f"`reward_model.ground_truth` (verl parquet), or `prompt`/`problem` and `answer` "
+                            f"(JSONL); found {sorted(map(str, row))[:12]}")
+        prompt, answer = _row_prompt(row, at), _row_answer(row, at)
+        key = json.dumps(prompt, sort_keys=True, default=str)
         if dedup and key in seen:
             continue
         seen.add(key)
         out.append({"prompt": prompt, "answer": answer})
+    if not out:
+        raise DapoError(f"{path} has no rows ({DATA_FORMATS})")
     return out
 
 
@@ -1165,8 +1296,8 @@ def preflight(cfg):
     if cfg.model:
         check_model(cfg.model, cfg.max_prompt_len + cfg.max_response_len)
     for f in (cfg.train_data, cfg.eval_data):
-        if f and not os.path.exists(f):
-            raise DapoError(f"data file not found: {f} (give a .parquet or .jsonl path)")
+        if f:
+            load_data(f, cfg.dedup)  # reading and checking every row takes a second; vLLM takes minutes
     if cfg.wandb_project:
         try:
             import wandb  # noqa: F401
@@ -1247,7 +1378,9 @@ def train(cfg):
     sleep = device.type == "cuda" and cfg.vllm_sleep  # vLLM's sleep mode exists on CUDA only
     bar = tqdm(range(state["step"], cfg.steps), desc="DAPO", disable=rank() != 0, dynamic_ncols=True,
                initial=state["step"], total=cfg.steps)
+    _RUN["bar"] = bar  # for the Ctrl-C message (see main)
     for step in bar:
+        _RUN["step"] = step + 1
         t0 = time.perf_counter()
         # 1. Sample, reward, filter: keep drawing generation batches until N groups are kept.
         sample_fn = lambda idx, b: sample_groups(llm, tokenizer, train_rows, train_ids, idx, cfg, cfg.group_size,
@@ -1315,13 +1448,148 @@ def train(cfg):
     return first, last
 
 
+# -----------------------------------------------------------------------------------------
+# Ctrl-C: the first stops the run and says how to resume it; the second exits at once
+
+_RUN = {}  # train() keeps the step in progress and its progress bar here, for the message
+
+
+def _kill_children():
+    """Kill every process this one started, grandchildren included: the reward workers and
+    whatever vLLM or torch may have spawned. Nothing is left behind when we exit."""
+    pool = sys.modules.get("reward")
+    if pool is not None and hasattr(pool, "close_pool"):
+        pool.close_pool()
+    parent = {}
+    for pid in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parent[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    mine, grew = {os.getpid()}, True
+    while grew:  # the descendants, found before any is killed (killing re-parents grandchildren)
+        kids = {p for p, pp in parent.items() if pp in mine} - mine
+        grew, mine = bool(kids), mine | kids
+    for pid in mine - {os.getpid()}:
+        try:
+            os.kill(pid, 9)  # SIGKILL
+        except OSError:
+            pass
+
+
+def _resume_command(argv):
+    """The user's own command line, plus --resume."""
+    import shlex
+    args = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--no-resume"]
+    args += [] if "--resume" in args else ["--resume"]
+    script = sys.argv[0] if sys.argv[0].endswith(".py") else "dapo.py"
+    ws = int(os.environ.get("WORLD_SIZE", "1"))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", ws))
+    launch = ["python"] if ws == 1 else ["torchrun", f"--nproc_per_node={per_node}"] + (
+        [f"--nnodes={ws // per_node}"] if ws > per_node else [])
+    return shlex.join(launch + [script] + args)
+
+
+def _say_interrupted(cfg, argv):
+    """Rank 0 prints the one line, once, whichever thread gets here first."""
+    if os.environ.get("RANK", "0") != "0" or _RUN.get("said"):
+        return
+    _RUN["said"] = True
+    step = _RUN.get("step")
+    where = f"interrupted at step {step} of {cfg.steps}" if step else "interrupted during start-up"
+    ckpt = None if cfg.eval_only else latest_checkpoint(cfg.out_dir)
+    if cfg.eval_only:
+        msg = "interrupted during evaluation"
+    elif ckpt:
+        msg = f"{where}; last complete checkpoint: {ckpt} (resume with: {_RUN['resume']})"
+    else:
+        msg = f"{where}; no checkpoint saved yet (--save-every N saves one every N steps)"
+    bar = _RUN.get("bar")
+    nl = "\n" if bar is not None and not bar.disable else ""  # end tqdm's half-drawn line
+    try:
+        os.write(2, f"{nl}{msg}\n".encode())  # os.write: safe from any thread, mid-print too
+    except OSError:
+        pass
+
+
+def _exit_interrupted(cfg, argv):
+    _say_interrupted(cfg, argv)
+    _kill_children()
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except Exception:
+            pass
+    os._exit(130)  # not sys.exit: interpreter shutdown can hang on vLLM's and torch's threads
+
+
+def _catch_ctrl_c(cfg, argv):
+    """First SIGINT: KeyboardInterrupt in the main thread, which main() turns into a clean stop;
+    if that takes over 15 s, exit anyway. Second SIGINT: exit at once. A thread watches the
+    signal's wakeup fd, so both hold even while the main thread is stuck inside C code (vLLM,
+    a collective). Under torchrun each rank has its own session: the terminal's Ctrl-C reaches
+    torchrun, which forwards one SIGINT to every rank. Returns the function that undoes this."""
+    import select
+    import signal
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+
+    def on_sigint(signum, frame):
+        _RUN["handled"] = _RUN.get("handled", 0) + 1
+        _RUN["stopping"] = True
+        if _RUN["handled"] == 1:
+            raise KeyboardInterrupt
+        _exit_interrupted(cfg, argv)  # the second; the watcher normally gets here first
+
+    def watch():
+        deadline = None
+        while True:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([r], [], [], wait)[0]:
+                _exit_interrupted(cfg, argv)  # the clean stop is taking too long
+            data = os.read(r, 64)
+            if not data:  # main() is done: the write end was closed
+                return os.close(r)
+            for _ in range(data.count(bytes([signal.SIGINT]))):
+                if deadline is not None:
+                    _exit_interrupted(cfg, argv)
+                _RUN["stopping"], deadline = True, time.monotonic() + 15
+
+    old_handler, old_fd = signal.signal(signal.SIGINT, on_sigint), signal.set_wakeup_fd(w)
+    threading.Thread(target=watch, daemon=True, name="ctrl-c").start()
+
+    def undo():
+        signal.set_wakeup_fd(old_fd)
+        signal.signal(signal.SIGINT, old_handler)
+        os.close(w)
+    return undo
+
+
 def main(argv=None):
     cfg = parse_config(argv)
+    _RUN.clear()
+    _RUN["resume"] = _resume_command(argv)  # now: vLLM's CPU backend rewrites LOCAL_WORLD_SIZE
+    undo = _catch_ctrl_c(cfg, argv)
     try:
         train(cfg)
-    except DapoError as e:
+    except BaseException as e:
+        if _RUN.get("stopping"):  # after a Ctrl-C, whatever unwinds (KeyboardInterrupt, a broken collective)
+            try:
+                if _RUN.get("bar") is not None:
+                    _RUN["bar"].close()
+            except Exception:
+                pass
+            _exit_interrupted(cfg, argv)
+        if not isinstance(e, DapoError):
+            raise
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    finally:
+        undo()
 
 
 if __name__ == "__main__":

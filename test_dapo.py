@@ -1068,6 +1068,301 @@ def test_end_to_end_torchrun_tensor_parallel_2(tmp_path):
     _check_run(str(tmp_path), out.stdout, steps=2)
 
 
+# --- bad input and Ctrl-C: one line, never a traceback --------------------------------------
+
+def _malformed_files(d):
+    """Data files as users meet them, written into d: [(path, what the one-line error must say)].
+    The expected text includes the row (and line, for JSONL) where there is one."""
+    import gzip
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    ok = '{"prompt": "1+1", "answer": 2}\n'
+    msgs = [{"role": "user", "content": "1+1"}]
+    files = [
+        # encodings and things that are not JSON text
+        ("latin1.jsonl", (ok + '{"prompt": "caf\xe9", "answer": "1"}\n').encode("latin-1"), r"line 2 is not UTF-8 text \(byte 0xe9.*re-save the file as UTF-8"),
+        ("latin1.json", '[{"prompt": "caf\xe9", "answer": "1"}]'.encode("latin-1"), r"line 1 is not UTF-8 text"),
+        ("utf16.jsonl", ok.encode("utf-16"), r"is not JSON text: it is UTF-16 text: re-save it as UTF-8"),
+        ("binary.jsonl", bytes(range(256)) * 8, r"is not JSON text: it is a binary file"),
+        ("gzipped.jsonl", gzip.compress(ok.encode()), r"gzip-compressed: decompress it first"),
+        ("empty.jsonl", b"", r"is empty: it has no rows"),
+        ("blank_lines.jsonl", b"\n \n\n", r"is empty: it has no rows"),
+        ("nested.jsonl", b"[" * 100000 + b"]" * 100000 + b"\n", r"line 1 is not valid JSON \(nested too deeply\)"),
+        ("huge_integer.jsonl", ('{"prompt": "x", "answer": ' + "9" * 5000 + "}\n").encode(), r"line 1 is not valid JSON \(Exceeds the limit"),
+        # JSONL structure
+        ("truncated.jsonl", (ok + '{"prompt": "2+2", "ans').encode(), r"line 2 is not valid JSON .*the file looks truncated"),
+        ("bad_line.jsonl", (ok + '{"prompt": oops}\n' + ok).encode(), r"line 2 is not valid JSON .*fix or delete this line"),
+        ("pretty_array.jsonl", b'[\n  {"prompt": "1+1", "answer": 2}\n]\n', r"line 1 is not valid JSON .*name the file .json"),
+        ("number_line.jsonl", (ok + "42\n").encode(), r"row 1 \(line 2\): expected an object, got a number"),
+        ("array_line.jsonl", b'[{"prompt": "1+1", "answer": 2}]\n', r"row 0 \(line 1\): expected one JSON object per line, got a list \(a JSON array of rows goes in a .json file\)"),
+        ("mixed_schemas.jsonl", (ok + '{"problem": "2+2", "answer": "4"}\n{"question": "3+3", "solution": "6"}\n').encode(),
+         r"row 2 \(line 3\): missing columns .*found \['question', 'solution'\]"),
+        # wrong types in every column
+        ("prompt_object.jsonl", b'{"prompt": {"text": "1+1"}, "answer": 2}\n', r"row 0 \(line 1\): `prompt` must be a string or a non-empty list of messages, got an object"),
+        ("prompt_number.jsonl", (ok + '{"prompt": 7, "answer": 2}\n').encode(), r"row 1 \(line 2\): `prompt` must be a string .*got a number"),
+        ("problem_list_of_numbers.jsonl", b'{"problem": [1, 2], "answer": 2}\n', r"row 0 \(line 1\): `problem` message 0 must be \{role, content\}"),
+        ("message_without_role.jsonl", b'{"prompt": [{"content": "1+1"}], "answer": 2}\n', r"`prompt` message 0 must be \{role, content\}.*keys \['content'\]"),
+        ("message_content_number.jsonl", b'{"prompt": [{"role": "user", "content": 2}], "answer": 2}\n', r"`prompt` message 0 must be \{role, content\} with string values"),
+        ("prompt_blank.jsonl", b'{"prompt": "  ", "answer": 2}\n', r"row 0 \(line 1\): `prompt` is empty"),
+        ("prompt_empty_list.jsonl", b'{"prompt": [], "answer": 2}\n', r"`prompt` must be a string or a non-empty list"),
+        ("prompt_null.jsonl", b'{"prompt": null, "answer": 2}\n', r"row 0 \(line 1\): `prompt` is null"),
+        ("answer_object.jsonl", b'{"prompt": "1+1", "answer": {"value": 2}}\n', r"row 0 \(line 1\): `answer` must be a string or a number, got an object"),
+        ("answer_list.jsonl", b'{"prompt": "1+1", "answer": [2]}\n', r"`answer` must be a string or a number, got a list"),
+        ("answer_bool.jsonl", b'{"prompt": "1+1", "answer": true}\n', r"`answer` must be a string or a number, got a boolean"),
+        ("answer_null.jsonl", b'{"prompt": "1+1", "answer": null}\n', r"`answer` is null"),
+        ("answer_nan.jsonl", b'{"prompt": "1+1", "answer": NaN}\n', r"`answer` is nan"),
+        ("answer_blank.jsonl", b'{"prompt": "1+1", "answer": " "}\n', r"row 0 \(line 1\): empty answer"),
+        ("reward_model_string.jsonl", b'{"prompt": "1+1", "reward_model": "2"}\n', r"`reward_model` must be an object"),
+        ("reward_model_no_ground_truth.jsonl", b'{"prompt": "1+1", "reward_model": {"style": "rule"}}\n', r"`reward_model` has no `ground_truth`"),
+        ("no_answer.jsonl", b'{"prompt": "1+1"}\n', r"row 0 \(line 1\): missing columns \(`answer`/`reward_model`\)"),
+        # .json
+        ("object.json", b'{"data": [{"prompt": "1+1", "answer": 2}], "version": 1}', r"holds an object, not an array of rows.*keys: \['data', 'version'\]"),
+        ("number.json", b"42", r"holds a number, not an array of rows"),
+        ("null.json", b"null", r"holds null, not an array of rows"),
+        ("empty_array.json", b"[]", r"has no rows"),
+        ("truncated.json", b'[{"prompt": "1+1", "answer": 2}, {"prompt": "2+', r"is not valid JSON .*the file looks truncated"),
+        ("array_with_number.json", b'[{"prompt": "1+1", "answer": 2}, 3]', r"row 1: expected an object, got a number"),
+        ("nested_arrays.json", b'[[{"prompt": "1+1", "answer": 2}]]', r"row 0: expected an object, got a list"),
+        # parquet and file names
+        ("garbage.parquet", bytes(range(256)) * 8, r"cannot read parquet file .*re-download or re-export it"),
+        ("json_named.parquet", ok.encode(), r"holds JSON, not parquet: name it .jsonl"),
+        ("parquet_named.jsonl", None, r"is not JSON text: it is a parquet file: name it .parquet"),
+        ("data.csv", b"prompt,answer\n1+1,2\n", r"unknown data format"),
+        ("data", ok.encode(), r"unknown data format"),
+    ]
+    tables = [
+        ("prompt_int.parquet", {"prompt": [1, 2], "answer": ["1", "2"]}, r"row 0: `prompt` must be a string .*got a number"),
+        ("prompt_bytes.parquet", {"prompt": [b"1+1"], "answer": ["2"]}, r"row 0: `prompt` must be a string .*got binary data"),
+        ("prompt_null.parquet", {"prompt": [msgs, None], "answer": ["2", "3"]}, r"row 1: `prompt` is null"),
+        ("answer_nan.parquet", {"prompt": ["1+1", "2+2"], "answer": [2.0, float("nan")]}, r"row 1: `answer` is nan"),
+        ("answer_bool.parquet", {"prompt": ["1+1"], "answer": [True]}, r"row 0: `answer` must be a string or a number, got a boolean"),
+        ("ground_truth_list.parquet", {"prompt": [msgs], "reward_model": [{"ground_truth": [1, 2]}]},
+         r"row 0: `reward_model.ground_truth` must be a string or a number, got a list"),
+        ("reward_model_string.parquet", {"prompt": [msgs], "reward_model": ["2"]}, r"row 0: `reward_model` must be an object"),
+        ("wrong_columns.parquet", {"question": ["1+1"], "solution": ["2"]}, r"row 0: missing columns .*found \['question', 'solution'\]"),
+    ]
+    out = []
+    for name, data, expect in files:
+        if data is not None:
+            (d / name).write_bytes(data)
+        out.append((str(d / name), expect))
+    for name, cols, expect in tables:
+        pq.write_table(pa.table(cols), d / name)
+        out.append((str(d / name), expect))
+    good = (d / "prompt_int.parquet").read_bytes()
+    (d / "parquet_named.jsonl").write_bytes(good)
+    (d / "truncated.parquet").write_bytes(good[: len(good) // 2])
+    out.append((str(d / "truncated.parquet"), r"cannot read parquet file"))
+    (d / "a_directory.jsonl").mkdir()
+    out.append((str(d / "a_directory.jsonl"), r"is a directory, not a data file"))
+    out.append((str(d / "missing.jsonl"), r"data file not found"))
+    return out
+
+
+def test_every_malformed_data_file_is_one_line_naming_file_row_and_fix(tmp_path):
+    for path, expect in _malformed_files(tmp_path):
+        with pytest.raises(dapo.DapoError) as e:
+            dapo.load_data(path)
+        msg = str(e.value)
+        assert "\n" not in msg and path in msg and re.search(expect, msg), (path, msg)
+        assert len(msg) < 600, msg
+
+
+def test_malformed_data_through_main_exits_2_with_one_error_line(tmp_path, capsys):
+    """The CLI path (main -> preflight), in-process for every case: exit 2, one `error:` line."""
+    for path, expect in _malformed_files(tmp_path):
+        with pytest.raises(SystemExit) as e:
+            dapo.main(["--train-data", path, "--out-dir", str(tmp_path / "run")])
+        err = capsys.readouterr().err
+        assert e.value.code == 2, (path, err)
+        assert err.count("\n") == 1 and err.startswith("error: ") and re.search(expect, err), (path, err)
+
+
+def test_malformed_data_cli_one_line_no_traceback(tmp_path):
+    """A few classes through the real command line, fast: refused before vLLM or the model start."""
+    cases = {"latin1.jsonl": "--train-data", "prompt_object.jsonl": "--train-data", "number.json": "--eval-data"}
+    files = dict((os.path.basename(p), p) for p, _ in _malformed_files(tmp_path))
+    procs = {n: subprocess.Popen([sys.executable, "dapo.py", flag, files[n]], cwd=HERE, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for n, flag in cases.items()}
+    for name, p in procs.items():
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 2 and "Traceback" not in err, (name, err)
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and files[name] in lines[0], (name, err)
+
+
+def test_data_files_users_have_load(tmp_path):
+    """.json arrays, JSON Lines named .json, a UTF-8 BOM, CRLF line ends, numbers as answers,
+    prompt/problem mixed across rows, a null `prompt` cell next to a `problem` column."""
+    import decimal
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    rows = [{"prompt": "1+1", "answer": 2}, {"problem": "2+2.5", "answer": 4.5},
+            {"prompt": [{"role": "user", "content": "3+3"}], "reward_model": {"ground_truth": 6}}]
+    want = [{"prompt": "1+1", "answer": "2"}, {"prompt": "2+2.5", "answer": "4.5"},
+            {"prompt": [{"role": "user", "content": "3+3"}], "answer": "6"}]
+    lines = "".join(json.dumps(r) + "\n" for r in rows)
+    (tmp_path / "a.json").write_text(json.dumps(rows, indent=2))
+    (tmp_path / "lines.json").write_text(lines)
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + lines.replace("\n", "\r\n").encode())
+    (tmp_path / "b.jsonl").write_text(lines + "\n\n")
+    for name in ("a.json", "lines.json", "bom.jsonl", "b.jsonl"):
+        assert dapo.load_data(str(tmp_path / name)) == want, name
+    pq.write_table(pa.table({"prompt": ["1+1", None], "problem": [None, "2+2"],
+                             "answer": pa.array([decimal.Decimal("2"), decimal.Decimal("4.5")], pa.decimal128(4, 1)),
+                             "extra_info": [{"split": "train"}, None]}), tmp_path / "p.parquet")
+    assert dapo.load_data(str(tmp_path / "p.parquet")) == [{"prompt": "1+1", "answer": "2.0"},
+                                                           {"prompt": "2+2", "answer": "4.5"}]
+
+
+def _alive_in_session(sid):
+    """Processes (not zombies) in session sid: the run and everything it started."""
+    alive = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            alive.append(int(pid))
+    return alive
+
+
+def _no_leftovers(sid, within=10.0):
+    end = time.monotonic() + within
+    while _alive_in_session(sid) and time.monotonic() < end:
+        time.sleep(0.1)
+    return _alive_in_session(sid)
+
+
+def _start(cmd):
+    """cmd in its own session (as a terminal would), stdout read line by line, stderr collected."""
+    import threading
+    p = subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    err = []
+    threading.Thread(target=lambda: err.append(p.stderr.read()), daemon=True).start()
+    return p, err
+
+
+def _wait_for(p, pattern, timeout):
+    end, seen = time.monotonic() + timeout, []
+    for line in p.stdout:
+        seen.append(line)
+        if re.search(pattern, line) or time.monotonic() > end:
+            break
+    assert any(re.search(pattern, line) for line in seen), "".join(seen)[-3000:]
+
+
+def _end_session(p):
+    """After a failed test: leave nothing running."""
+    import signal
+    if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
+_CTRL_C_STUB = r"""
+import sys, time
+sys.path.insert(0, HERE)
+import dapo, reward
+
+def train(cfg):  # a stand-in for a long run: reward workers up, step 3 in progress
+    reward.score_batch(["1", "2"], ["1", "2"], num_workers=2, fn="reward:compute_score")
+    dapo._RUN["step"] = 3
+    said = False
+    while True:
+        try:
+            if not said:  # said inside the try: a Ctrl-C right after it is caught below
+                said = print("running", flush=True) or True
+            time.sleep(0.05)
+        except KeyboardInterrupt:
+            if not SWALLOW:
+                raise
+            print("swallowed", flush=True)  # as a library that catches KeyboardInterrupt would
+
+SWALLOW = sys.argv.pop(1) == "swallow"
+dapo.train = train
+dapo.main()
+"""
+
+
+@pytest.mark.parametrize("swallow", [False, True])
+def test_ctrl_c_stops_and_second_ctrl_c_exits_at_once(tmp_path, swallow):
+    """First Ctrl-C: a clean stop, one line with the step, the last checkpoint and the --resume
+    command, exit 130, the reward workers gone. If the run does not stop (the interrupt is
+    swallowed), a second Ctrl-C exits at once."""
+    import signal
+    ckpt = tmp_path / "checkpoints" / "step_000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / "state.json").write_text("{}")
+    (tmp_path / "checkpoints" / "step_000003.tmp").mkdir()  # a save cut short: not complete
+    script = tmp_path / "dapo_stub.py"
+    script.write_text(_CTRL_C_STUB.replace("HERE", repr(HERE)))
+    p, err = _start([sys.executable, str(script), "swallow" if swallow else "stop", "--out-dir", str(tmp_path),
+                     "--steps", "9"])
+    try:
+        _wait_for(p, "running", 120)
+        assert len(_alive_in_session(p.pid)) >= 3  # the run and its two reward workers
+        t = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        if swallow:
+            _wait_for(p, "swallowed", 10)
+            assert p.poll() is None
+            t = time.monotonic()
+            p.send_signal(signal.SIGINT)
+        p.wait(timeout=30)
+        took = time.monotonic() - t
+    finally:
+        _end_session(p)
+    p.stdout.close()
+    time.sleep(0.2)
+    stderr = err[0] if err else ""
+    print(f"Ctrl-C ({'second' if swallow else 'first'}) to exit: {took:.2f} s")
+    assert p.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    assert stderr.strip().splitlines() == [
+        f"interrupted at step 3 of 9; last complete checkpoint: {ckpt} (resume with: python {script} "
+        f"--out-dir {tmp_path} --steps 9 --resume)"], stderr
+    assert took < 5
+    assert _no_leftovers(p.pid) == []
+
+
+def test_ctrl_c_stops_a_real_run_cleanly(tmp_path):
+    """The demo run through vLLM + FSDP2, SIGINT mid-run: it stops within seconds, exit 130, one
+    line with the step, the last complete checkpoint and the resume command, no traceback, and
+    nothing it started is left running."""
+    import signal
+    p, err = _start([sys.executable, "dapo.py", *E2E_ARGS, "--steps", "50", "--save-every", "1",
+                     "--out-dir", str(tmp_path)])
+    try:
+        _wait_for(p, r"^step\s+2\s", 600)
+        print("processes during the run:", _alive_in_session(p.pid))
+        t = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        p.wait(timeout=60)
+        took = time.monotonic() - t
+    finally:
+        _end_session(p)
+    p.stdout.close()
+    time.sleep(0.2)
+    stderr = err[0] if err else ""
+    print(f"Ctrl-C to exit: {took:.2f} s")
+    assert p.returncode == 130, stderr[-4000:]
+    assert "Traceback" not in stderr, stderr[-4000:]
+    said = [line for line in stderr.splitlines() if "interrupted" in line]
+    assert len(said) == 1 and stderr.rstrip().endswith(said[0]), stderr[-4000:]
+    m = re.fullmatch(r"interrupted at step (\d+) of 50; last complete checkpoint: (\S+) "
+                     r"\(resume with: python dapo\.py (.*) --resume\)", said[0])
+    assert m, said[0]
+    step, ckpt = int(m[1]), m[2]
+    assert os.path.exists(os.path.join(ckpt, "state.json"))
+    assert 1 <= json.load(open(os.path.join(ckpt, "state.json")))["step"] <= step  # step 2's save may be cut short
+    assert f"--out-dir {tmp_path}" in m[3] and "--steps 50" in m[3]
+    assert took < 20
+    assert _no_leftovers(p.pid) == []
+
+
 # --- checkpoints, resume, evaluation ----------------------------------------------------------
 
 def test_resume_reproduces_a_straight_run(tmp_path):
