@@ -253,8 +253,10 @@ def dapo_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.28, num_
     return loss, stats
 
 
-def _chunk_logprobs(logits, targets, temperature):
-    x = logits.float() / temperature
+def _chunk_logprobs(hidden, weight, targets, temperature):
+    # the output head in fp32 (vLLM runs it so too, head_dtype="float32"): bf16 logits near 20
+    # are spaced 0.125 apart, far coarser than the policy changes the ratio measures
+    x = (hidden.float() @ weight.float().T) / temperature
     lse = torch.logsumexp(x, -1)
     logp = x.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
     with torch.no_grad():  # entropy is monitored, not trained on
@@ -262,22 +264,22 @@ def _chunk_logprobs(logits, targets, temperature):
     return logp, ent
 
 
-def token_logprobs(logits, targets, temperature=1.0, chunk=1024):
-    """log softmax(logits / T)[targets] and the entropy, without a float32 (B, T, V) tensor.
+def token_logprobs(hidden, weight, targets, temperature=1.0, chunk=1024):
+    """log softmax(hidden @ weight.T / T)[targets] and the entropy, with the output head fused in.
 
-    logits: (B, T, V) in any dtype, targets: (B, T) -> two (B, T) float32 tensors.
-    Works on about `chunk` tokens at a time; under autograd each chunk is checkpointed, so only
-    the input logits are kept and the fp32 chunk is recomputed in backward. At 20k tokens and a
-    152k vocabulary the full fp32 log-softmax would be ~12 GB per sequence."""
+    hidden: (B, T, h) final hidden states in any dtype, weight: (V, h) the output head,
+    targets: (B, T) -> two (B, T) float32 tensors. The fp32 logits exist only for about `chunk`
+    tokens at a time; under autograd each chunk is checkpointed and recomputed in backward. At
+    20k tokens and a 152k vocabulary a (T, V) fp32 logits tensor would be ~12 GB per sequence."""
     from torch.utils.checkpoint import checkpoint
     lps, ents = [], []
-    step = max(1, chunk // logits.shape[0])  # `chunk` counts tokens over all B rows
-    for s in range(0, logits.shape[1], step):
-        lg, tg = logits[:, s:s + step], targets[:, s:s + step]
-        if torch.is_grad_enabled() and lg.requires_grad:
-            lp, ent = checkpoint(_chunk_logprobs, lg, tg, temperature, use_reentrant=False)
+    step = max(1, chunk // hidden.shape[0])  # `chunk` counts tokens over all B rows
+    for s in range(0, hidden.shape[1], step):
+        hs, tg = hidden[:, s:s + step], targets[:, s:s + step]
+        if torch.is_grad_enabled() and (hs.requires_grad or weight.requires_grad):
+            lp, ent = checkpoint(_chunk_logprobs, hs, weight, tg, temperature, use_reentrant=False)
         else:
-            lp, ent = _chunk_logprobs(lg, tg, temperature)
+            lp, ent = _chunk_logprobs(hs, weight, tg, temperature)
         lps.append(lp)
         ents.append(ent)
     return torch.cat(lps, 1), torch.cat(ents, 1)
@@ -561,7 +563,8 @@ def build_demo_model(path, seed=0, sft_target=0.3, max_sft_steps=400):
     dev_ids, dev_mask = batch(train[:256])
     for step in range(max_sft_steps):
         with torch.no_grad():  # exact expected accuracy of sampling at T = 1
-            lp = token_logprobs(model(dev_ids).logits[:, :-1], dev_ids[:, 1:])[0]
+            hidden = model.model(dev_ids).last_hidden_state[:, :-1]
+            lp = token_logprobs(hidden, model.lm_head.weight, dev_ids[:, 1:])[0]
             acc = torch.exp((lp * dev_mask[:, 1:]).sum(1)).mean().item()
         if acc >= sft_target:
             break
@@ -907,11 +910,13 @@ def collate(samples, pad_id, device, overlong_filtering):
 
 
 def forward_logprobs(model, batch, temperature, chunk):
-    """(B, R) log-probs and entropies of the response tokens at the sampling temperature."""
+    """(B, R) log-probs and entropies of the response tokens at the sampling temperature: the
+    decoder, then the output head fused into the chunked fp32 log-prob path (no logits tensor).
+    load_policy registers it as an FSDP forward method, model.forward_logprobs(batch, ...)."""
     R = batch["targets"].shape[1]
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   position_ids=batch["position_ids"], logits_to_keep=R + 1).logits[:, :-1]
-    return token_logprobs(logits, batch["targets"], temperature, chunk)
+    hidden = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                         position_ids=batch["position_ids"]).last_hidden_state
+    return token_logprobs(hidden[:, -R - 1:-1], model.lm_head.weight, batch["targets"], temperature, chunk)
 
 
 def pack_by_tokens(samples, budget):
@@ -956,7 +961,7 @@ def old_logprobs(model, plan, cfg, pad_id, device):
         for micros in plan:
             for mb in micros:
                 b = collate(mb, pad_id, device, False)
-                lp, _ = forward_logprobs(model, b, cfg.temperature, cfg.logprob_chunk)
+                lp, _ = model.forward_logprobs(b, cfg.temperature, cfg.logprob_chunk)
                 for s, row, n in zip(mb, lp, b["mask"].sum(1).long().tolist()):
                     s["old_logp"] = row[:n].cpu()
 
@@ -971,7 +976,7 @@ def policy_gradient(model, mini, micros, cfg, pad_id, device):
     sums = torch.zeros(6, dtype=torch.float64)
     for mb in micros:
         b = collate(mb, pad_id, device, cfg.overlong_filtering)
-        logp, ent = forward_logprobs(model, b, cfg.temperature, cfg.logprob_chunk)
+        logp, ent = model.forward_logprobs(b, cfg.temperature, cfg.logprob_chunk)
         old = torch.zeros_like(logp)
         for i, s in enumerate(mb):
             old[i, :len(s["old_logp"])] = s["old_logp"].to(device)
@@ -1064,18 +1069,20 @@ def activation_bytes(shape, tokens, b, checkpointing, chunk, seq=None, flash=Tru
     """Peak activation memory of one micro-batch's forward + backward, in bytes.
     Per decoder layer and token HF's Qwen2 keeps: two RMSNorm inputs in fp32 (2h x 4 B) and their
     outputs (2h x b), q/k/v (h + 2 kv_dim), the attention output twice (2h: sdpa out, o_proj
-    input), and four (T, intermediate) MLP tensors: gate, up, silu(gate), their product; backward
-    adds about one more layer's worth of gradient temporaries. Checkpointing keeps one (T, h)
-    input per layer and recomputes one layer at a time. The logits (T, V) stay for backward and
-    their gradient buffers add ~1.5 copies (2.5 in all, measured on CPU); the chunked log-prob
-    path adds ~3 fp32 (chunk, V) temporaries. Without flash attention (CPU), sdpa's backward
-    materialises (heads, S, S) twice per sequence of length S."""
+    input), and four (T, intermediate) MLP tensors: gate, up, silu(gate), their product.
+    Checkpointing keeps one (T, h) input per layer instead. On top of that, backward peaks either
+    in one layer (recomputed activations and gradient temporaries) or in the fused head: ~5 fp32
+    (chunk, V) tensors (logits, softmax and their gradients) and an fp32 copy of the head weight.
+    No (T, V) logits tensor exists. Without flash attention (CPU), sdpa's backward materialises
+    (heads, S, S) twice per sequence of length S. Measured on CPU in the tests."""
     h, L, nh, kv, i, V, tied, hd = shape
     layer = 2 * h * 4 + (2 * h + h + 2 * kv * hd + 2 * h + 4 * i) * b
-    acts = (L * h * b + 2 * layer) if checkpointing else (L + 1) * layer
+    kept = tokens * (L * h * b if checkpointing else L * layer)
+    one_layer = tokens * layer * (2 if checkpointing else 1)
+    head = 5 * min(chunk, tokens) * V * 4 + V * h * 4
     seq = seq or tokens
     attn = 0 if flash else 2 * nh * seq * seq * b * max(1, tokens // seq)
-    return tokens * acts + 2.5 * tokens * V * b + 3 * min(chunk, tokens) * V * 4 + attn
+    return kept + max(one_layer, head) + attn
 
 
 def memory_plan(cfg, shape, nodes, gpus_per_node, gpu_gb, device="cuda"):

@@ -483,33 +483,86 @@ def test_token_level_differs_from_sample_level():
 
 def test_token_logprobs_matches_log_softmax():
     torch.manual_seed(0)
-    logits = torch.randn(2, 37, 50, dtype=torch.float64, requires_grad=True)
+    hidden = torch.randn(2, 37, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, 50, (2, 37))
     for T in (1.0, 0.6):
-        ref = torch.log_softmax(logits / T, -1)
+        ref = torch.log_softmax(hidden @ weight.T / T, -1)
         ref_lp = ref.gather(-1, targets[..., None])[..., 0]
         ref_ent = -(ref.exp() * ref).sum(-1)
-        lp, ent = dapo.token_logprobs(logits, targets, temperature=T, chunk=8)
+        lp, ent = dapo.token_logprobs(hidden, weight, targets, temperature=T, chunk=8)
         torch.testing.assert_close(lp, ref_lp.float(), atol=1e-5, rtol=0)
         torch.testing.assert_close(ent, ref_ent.float(), atol=1e-5, rtol=0)
-        g = torch.autograd.grad(lp.sum(), logits)[0]
-        g_ref = torch.autograd.grad(ref_lp.sum(), logits)[0]
-        torch.testing.assert_close(g, g_ref, atol=1e-5, rtol=0)
+        for g, g_ref in zip(torch.autograd.grad(lp.sum(), (hidden, weight)),
+                            torch.autograd.grad(ref_lp.sum(), (hidden, weight))):
+            torch.testing.assert_close(g, g_ref, atol=1e-5, rtol=0)
+
+
+def _mixed_precision_worker():
+    """FSDP2 with bf16 compute (the GPU set-up): the trainer's log-probs against an fp64 head on the
+    same bf16 hidden states and weights, and the bf16 logits that HF's own lm_head would give."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    dapo.init_distributed()
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=2, head_dim=64,
+                                         tie_word_embeddings=False, use_cache=False))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)   # logits of ~20-40, where bf16 values are 0.125-0.25 apart
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    model.forward_logprobs = dapo.types.MethodType(dapo.forward_logprobs, model)
+    register_fsdp_forward_method(model, "forward_logprobs")
+    ids = torch.randint(0, 512, (2, 24))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "targets": ids[:, 12:],
+             "position_ids": torch.arange(24).expand(2, 24)}
+    seen = {}
+    hook = model.model.norm.register_forward_hook(lambda m, i, out: seen.update(hidden=out))
+    lp, _ = model.forward_logprobs(batch, 1.0, 1024)
+    hook.remove()
+    w = model.lm_head.weight
+    w = (w.full_tensor() if hasattr(w, "full_tensor") else w).bfloat16().double()
+    pick = lambda logp: logp[:, 11:-1].gather(-1, ids[:, 12:, None])[..., 0]   # noqa: E731
+    ref = pick(torch.log_softmax(seen["hidden"].double() @ w.T, -1))
+    logits = model(input_ids=ids).logits
+    bf16 = pick(torch.log_softmax(logits.float(), -1))
+    print(json.dumps({"hidden": str(seen["hidden"].dtype), "logits": str(logits.dtype),
+                      "max_logit": logits.abs().max().item(), "fused_err": (lp.double() - ref).abs().max().item(),
+                      "bf16_err": (bf16.double() - ref).abs().max().item()}))
+    torch.distributed.destroy_process_group()
+
+
+def test_fp32_head_under_bf16_mixed_precision():
+    """Under FSDP2's bf16 MixedPrecisionPolicy the log-probs come from an fp32 head: within 1e-3 of
+    an fp64 reference, a tolerance that the bf16 logits of HF's own lm_head fail by far."""
+    out = subprocess.run([sys.executable, "test_dapo.py", "mixed_precision"], cwd=HERE, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"bf16 compute, max |logit| {r['max_logit']:.0f}: fp32-head log-prob error {r['fused_err']:.1e}, "
+          f"bf16-logits error {r['bf16_err']:.1e}")
+    assert r["hidden"] == "torch.bfloat16" and r["logits"] == "torch.bfloat16"   # bf16 compute really ran
+    assert r["fused_err"] < 1e-3 < 1e-2 < r["bf16_err"]
 
 
 _MEM_SCRIPT = r"""
 import sys, torch, dapo
 from torch.distributed._tools.mem_tracker import MemTracker
-T, V, mode = 4096, 32768, sys.argv[1]
-logits = torch.randn(1, T, V, dtype=torch.bfloat16).requires_grad_()
+T, h, V, mode = 4096, 256, 32768, sys.argv[1]
+hidden = torch.randn(1, T, h, dtype=torch.bfloat16).requires_grad_()
+weight = (torch.randn(V, h) / 16).bfloat16().requires_grad_()
 targets = torch.randint(0, V, (1, T))
 tracker = MemTracker()   # live tensor bytes, the same on every CPU (RSS depends on the allocator)
-tracker.track_external(logits, targets)
+tracker.track_external(hidden, weight, targets)
 with tracker:
     base = tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"]
-    if mode == "chunked":
-        lp, _ = dapo.token_logprobs(logits, targets, chunk=512)
-    else:
+    if mode == "fused":
+        lp, _ = dapo.token_logprobs(hidden, weight, targets, chunk=512)
+    else:   # HF's lm_head, then log_softmax in fp32
+        logits = hidden @ weight.T
         lp = torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None])[..., 0]
     lp.sum().backward()
 print((tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] - base) / 2**20)
@@ -517,16 +570,17 @@ print((tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] - base
 
 
 def test_token_logprobs_peak_memory():
-    """Peak extra tensor memory of forward+backward on a 4096 x 32768 bf16 logits tensor (256 MiB)."""
+    """Peak extra tensor memory of forward+backward from (4096, 256) hidden states through a
+    32768-token head: logits then log_softmax, against the fused chunked fp32 path."""
     peaks = {}
-    for mode in ("naive", "chunked"):
+    for mode in ("naive", "fused"):
         out = subprocess.run([sys.executable, "-c", _MEM_SCRIPT, mode], cwd=HERE, capture_output=True,
                              text=True, timeout=300)
         assert out.returncode == 0, out.stderr
         peaks[mode] = float(out.stdout.strip())
-    print(f"log-prob peak extra memory, T=4096 V=32768: naive fp32 {peaks['naive']:.0f} MiB, "
-          f"chunked {peaks['chunked']:.0f} MiB ({peaks['naive'] / max(peaks['chunked'], 1):.1f}x less)")
-    assert peaks["chunked"] < peaks["naive"] / 1.9
+    print(f"log-prob peak extra memory, T=4096 V=32768: logits + fp32 log_softmax {peaks['naive']:.0f} MiB, "
+          f"fused fp32 head {peaks['fused']:.0f} MiB ({peaks['naive'] / max(peaks['fused'], 1):.1f}x less)")
+    assert peaks["fused"] < peaks["naive"] / 3
 
 
 # =========================================================================================
@@ -779,16 +833,15 @@ if ckpt:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 model.train()
 ids = torch.randint(0, V, (B, S))
-grads = sum(p.numel() for p in model.parameters()) * 4
 tracker = MemTracker()   # counts live tensor bytes: no allocator, page or kernel-workspace effects
 tracker.track_external(model, ids)
 with tracker, sdpa_kernel(SDPBackend.MATH):   # the same attention ops on every CPU
     base = tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"]
-    logits = model(input_ids=ids, logits_to_keep=S).logits
-    lp, _ = dapo.token_logprobs(logits[:, :-1], ids[:, 1:], chunk=256)
+    hidden = model.model(input_ids=ids).last_hidden_state
+    lp, _ = dapo.token_logprobs(hidden[:, :-1], model.lm_head.weight, ids[:, 1:], chunk=1024)
     lp.sum().backward()
 peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] - base
-plan = scale * dapo.activation_bytes(shape, B * S, 4, ckpt, 256, seq=S, flash=False) + grads
+plan = scale * dapo.activation_bytes(shape, B * S, 4, ckpt, 1024, seq=S, flash=False)
 print(peak / 2**20, plan / 2**20)
 """
 
