@@ -90,6 +90,8 @@ class Config:
     vllm_sleep: bool = True          # CUDA only: free vLLM's memory while training
     reward_timeout: float = 5.0      # hard per-item limit of the answer checker, seconds
     reward_workers: int = 2          # checker worker processes per rank
+    collective_timeout_min: float = 180.0  # minutes a rank may wait in a collective; ranks meet after each generation batch: outlast its 20k-token tail (torch: 30)
+    plan_host_ram_gb: float = 1000.0  # host RAM per node for --plan, GB (8-GPU A100/H100 servers have 1-2 TB)
     # run
     steps: int = 200                 # rollout steps
     seed: int = 0                    # everything random derives from this
@@ -164,8 +166,15 @@ def print0(*a, **k):
         print(*a, **k, flush=True)
 
 
-def init_distributed():
-    """torchrun sets RANK/WORLD_SIZE/...; plain `python dapo.py` becomes a world of one."""
+def init_distributed(timeout_min=Config.collective_timeout_min):
+    """torchrun sets RANK/WORLD_SIZE/...; plain `python dapo.py` becomes a world of one.
+    timeout_min (--collective-timeout-min) bounds every collective of this process group, gloo
+    and NCCL alike: a rank that finished its rollouts waits in the sample exchange for the slowest.
+    PLUMBING: vLLM's own groups (TP, its world) do not inherit it; they get torch's defaults
+    (NCCL 10 min, gloo 30 min), which is fine: TP ranks run the same engine steps in lockstep."""
+    if not timeout_min > 0:
+        raise DapoError(f"--collective-timeout-min must be positive (got {timeout_min})")
+    from datetime import timedelta
     if "RANK" not in os.environ:  # PLUMBING: vLLM's external_launcher reads these too
         import socket
         with socket.socket() as s:
@@ -178,7 +187,8 @@ def init_distributed():
         backend = "cpu:gloo,cuda:nccl"
     else:
         backend = "gloo"
-    torch.distributed.init_process_group(backend)
+    # torch's default for a "cpu:gloo,cuda:nccl" group is 30 min, too short for a long rollout tail
+    torch.distributed.init_process_group(backend, timeout=timedelta(minutes=timeout_min))
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
@@ -1085,8 +1095,9 @@ def activation_bytes(shape, tokens, b, checkpointing, chunk, seq=None, flash=Tru
     return kept + max(one_layer, head) + attn
 
 
-def memory_plan(cfg, shape, nodes, gpus_per_node, gpu_gb, device="cuda"):
-    """Bytes per GPU, by phase. Returns (rows of (name, bytes), verdict dict)."""
+def memory_plan(cfg, shape, nodes, gpus_per_node, gpu_gb, device="cuda", weight_file=None):
+    """Bytes per GPU, by phase, and host RAM per node (host_plan). Returns (rows of (name, bytes),
+    verdict dict); "fits" needs both the GPU and the host side (--plan-host-ram-gb) to fit."""
     h, L, nh, kv, i, V, tied, hd = shape
     P = V * h * (1 if tied else 2) + L * (h * h * 2 + 2 * h * kv * hd + h + 2 * kv * hd + 3 * h * i + 2 * h) + h
     W = nodes * gpus_per_node
@@ -1111,26 +1122,77 @@ def memory_plan(cfg, shape, nodes, gpus_per_node, gpu_gb, device="cuda"):
         ("FSDP all-gathered layers (bf16)", gathered), (f"activations + logits, {tokens} tokens/micro-batch", acts),
         (f"vLLM weights (bf16, TP {cfg.tp_size})", vllm_weights), ("vLLM KV cache", kv_cache),
         ("peak while training", train_peak), ("peak while generating", rollout_peak)]
-    fits = max(train_peak, rollout_peak) <= gpu_gb * GB and kv_cache >= kv_per_token * seq
-    return rows, {"params": P, "fits": fits, "kv_seqs": kv_cache / (kv_per_token * seq), "world": W,
-                  "cpu_ram_per_node": (16 * P / W * gpus_per_node) if cfg.cpu_offload else 0}
+    gpu_fits = max(train_peak, rollout_peak) <= gpu_gb * GB and kv_cache >= kv_per_token * seq
+    host, host_peak = host_plan(cfg, shape, P, W, gpus_per_node, min(5 * GB, 2 * P) if weight_file is None else weight_file)
+    host_fits = host_peak <= cfg.plan_host_ram_gb * GB
+    return rows, {"params": P, "fits": gpu_fits and host_fits, "gpu_fits": gpu_fits, "host_fits": host_fits,
+                  "kv_seqs": kv_cache / (kv_per_token * seq), "world": W, "host": host, "host_peak": host_peak}
+
+
+HOST_GB_PER_RANK = 4  # assumed, not measured on a GPU: one rank's torch, CUDA context, vLLM and reward workers
+
+
+def host_plan(cfg, shape, P, W, gpus_per_node, weight_file):
+    """Host RAM of the node that holds rank 0 (the busiest), in bytes: (rows, peak).
+    Loading (load_hf_weights): rank 0 holds one safetensors file (weight_file bytes); each tensor
+    is broadcast alone, into GPU memory, or with --cpu-offload into host RAM on every rank, in the
+    file's dtype (bf16). Grads and AdamW state appear only at the first update.
+    Saving (save_checkpoint), one after the other:
+      dcp.save copies each rank's GPU state to host RAM (fp32 params, AdamW m and v: 12 B/param)
+      and holds all of it until the rank's file is written (torch's FileSystemWriter keeps every
+      tensor of a file); with --cpu-offload that state is already there;
+      save_hf: ranks 0..g-1 each build one file of <= --hf-shard-gb, and with --cpu-offload each
+      gathers one full parameter at a time on the CPU (the largest: the embedding).
+    Not counted: rollout samples (every rank receives every sample of a generation batch)."""
+    h, L, nh, kv, i, V, tied, hd = shape
+    g, off, GB = gpus_per_node, cfg.cpu_offload, 1e9
+    biggest = max(V, i) * h                     # elements of the largest tensor: the embedding (or the head)
+    save_b = 4 if cfg.save_dtype == "float32" else 2
+    file_b = min(max(cfg.hf_shard_gb * GB, biggest * save_b), P * save_b)  # one file of the export
+    writers = min(g, math.ceil(P * save_b / file_b))
+    base = g * HOST_GB_PER_RANK * GB
+    state = 16 * P / W * g if off else 0       # fp32 params, grads, AdamW m and v
+    loading = base + (4 * P / W * g + g * biggest * 2 if off else 0) + weight_file
+    training = base + state
+    saving = base + state + max(0 if off else 12 * P / W * g, writers * file_b + (g * biggest * save_b if off else 0))
+    rows = [(f"rank processes, {g} x {HOST_GB_PER_RANK} GB (assumed)", base)]
+    if off:
+        rows.append(("offloaded state (fp32 params, grads, AdamW)", state))
+    rows += [(f"peak while loading (a {weight_file / GB:.1f} GB weight file)", loading),
+             ("peak while training", training), ("peak while saving a checkpoint", saving)]
+    return rows, max(loading, training, saving)
+
+
+def weight_file_bytes(path):
+    """The largest safetensors file of a local model, which rank 0 holds while loading; None
+    (5 GB, the usual shard size on the hub) when the model is not on disk."""
+    d = os.path.expanduser(path) if path else ""
+    files = [os.path.join(d, f) for f in os.listdir(d) if f.endswith(".safetensors")] if os.path.isdir(d) else []
+    return max(map(os.path.getsize, files), default=None)
 
 
 def print_plan(cfg):
+    bad = [f"--{k.replace('_', '-')} {getattr(cfg, k)}" for k in ("plan_nodes", "plan_gpus_per_node", "plan_gpu_gb",
+                                                                  "plan_host_ram_gb", "tp_size") if not getattr(cfg, k) > 0]
+    if bad:
+        raise DapoError(f"--plan needs positive sizes (got {', '.join(bad)})")
     name = cfg.model or "built-in demo model"
     shape = model_shape(cfg.model) if cfg.model else (128, 2, 2, 2, 512, 32, True, 64)
-    rows, v = memory_plan(cfg, shape, cfg.plan_nodes, cfg.plan_gpus_per_node, cfg.plan_gpu_gb)
+    g, file = cfg.plan_gpus_per_node, weight_file_bytes(cfg.model)
+    rows, v = memory_plan(cfg, shape, cfg.plan_nodes, g, cfg.plan_gpu_gb, weight_file=file)
     print(f"memory plan per GPU: {name} ({v['params'] / 1e9:.2f}B parameters) on {cfg.plan_nodes} node(s) x "
-          f"{cfg.plan_gpus_per_node} GPUs of {cfg.plan_gpu_gb:g} GB, max length {cfg.max_prompt_len}+{cfg.max_response_len}")
+          f"{g} GPUs of {cfg.plan_gpu_gb:g} GB, max length {cfg.max_prompt_len}+{cfg.max_response_len}")
     for k, x in rows:
         print(f"  {k:48s} {x / 1e9:8.2f} GB")
-    if cfg.cpu_offload:
-        print(f"  {'CPU RAM per node for offloaded state':48s} {v['cpu_ram_per_node'] / 1e9:8.2f} GB")
     print(f"  KV cache holds {v['kv_seqs']:.1f} max-length sequences per TP group at once")
-    print(f"fits: {'yes' if v['fits'] else 'NO'}")
-    smallest = next((n for n in range(1, 257) if memory_plan(cfg, shape, n, cfg.plan_gpus_per_node, cfg.plan_gpu_gb)[1]["fits"]
-                     and (n * cfg.plan_gpus_per_node) % cfg.tp_size == 0), None)
-    print(f"smallest cluster that fits this config: {smallest} node(s) x {cfg.plan_gpus_per_node} GPUs" if smallest
+    print(f"host RAM per node ({g} ranks; the node of rank 0):")
+    for k, x in v["host"]:
+        print(f"  {k:48s} {x / 1e9:8.2f} GB")
+    print(f"fits: {'yes' if v['fits'] else 'NO'} (GPU: {'yes' if v['gpu_fits'] else 'NO'}; host RAM: peak "
+          f"{v['host_peak'] / 1e9:.0f} GB of --plan-host-ram-gb {cfg.plan_host_ram_gb:g})")
+    smallest = next((n for n in range(1, 257) if memory_plan(cfg, shape, n, g, cfg.plan_gpu_gb, weight_file=file)[1]["fits"]
+                     and (n * g) % cfg.tp_size == 0), None)
+    print(f"smallest cluster that fits this config: {smallest} node(s) x {g} GPUs" if smallest
           else "no cluster up to 256 nodes fits this config")
     return v
 
@@ -1329,7 +1391,7 @@ def train(cfg):
     ckpt, state = preflight(cfg)
     if cfg.wandb_project:
         import wandb
-    device = init_distributed()
+    device = init_distributed(cfg.collective_timeout_min)
     if cfg.save_dtype not in ("bfloat16", "float32") or not cfg.hf_shard_gb > 0:
         raise DapoError(f"--save-dtype must be bfloat16 or float32 (got {cfg.save_dtype!r}) and --hf-shard-gb "
                         f"positive (got {cfg.hf_shard_gb})")

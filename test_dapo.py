@@ -1052,6 +1052,117 @@ def _dcp_model(ckpt):
     return torch.load(os.path.join(ckpt, "dcp.pt"))["model"]
 
 
+# --- scale: collective timeout, host RAM in the plan, run_32b.sh's preflight -------------------
+
+def test_collective_timeout_reaches_the_process_group():
+    """--collective-timeout-min becomes the default group's timeout (torch's own is 30 min);
+    0 is a one-line error from the command line, before anything slow starts."""
+    code = ("import torch, dapo; cfg = dapo.parse_config(['--collective-timeout-min', '7.5']); "
+            "dapo.init_distributed(cfg.collective_timeout_min); "
+            "pg = torch.distributed.distributed_c10d._get_default_group(); "
+            "print(pg._get_backend(torch.device('cpu')).options._timeout)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=300,
+                         env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
+    print("process group timeout:", out.stdout.strip())
+    assert out.returncode == 0 and out.stdout.strip() == "0:07:30", out.stderr[-2000:]
+    assert dapo.Config().collective_timeout_min == 180
+    bad = subprocess.run([sys.executable, "dapo.py", "--collective-timeout-min", "0"], cwd=HERE,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stderr == "error: --collective-timeout-min must be positive (got 0.0)\n", bad.stderr
+
+
+def _plan(*args):
+    cfg = dapo.parse_config(["--model", "Qwen/Qwen2.5-32B", "--max-response-len", "20480", "--tp-size", "4",
+                             "--gpu-memory-utilization", "0.7", "--grad-checkpointing", "--micro-batch-tokens",
+                             "22528", *args])
+    return cfg, dapo.model_shape(cfg.model)
+
+
+def test_memory_plan_host_ram_32b():
+    """Host RAM per node at 32B (P = 32.76B): --cpu-offload on 1 node keeps 16 B/param there
+    (524 GB); saving adds 8 HF files of 5 GB and 8 gathered embeddings (1.56 GB each); without
+    offload on 16 nodes the peak is saving: 8 files of 5 GB (DCP staging, 12 B/param/128 ranks x 8
+    = 24.6 GB, is less). A node too small for it fails the plan even when the GPUs fit."""
+    cfg, shape = _plan("--cpu-offload")
+    rows, v = dapo.memory_plan(cfg, shape, 1, 8, 80)
+    host = dict(v["host"])
+    P, emb = v["params"], 152064 * 5120
+    assert host["offloaded state (fp32 params, grads, AdamW)"] == pytest.approx(16 * P)
+    assert host["peak while loading (a 5.0 GB weight file)"] == pytest.approx(32e9 + 4 * P + 5e9 + 8 * emb * 2)
+    assert v["host_peak"] == pytest.approx(32e9 + 16 * P + 8 * 5e9 + 8 * emb * 2)
+    assert 600e9 < v["host_peak"] < 620e9 and v["fits"] and v["gpu_fits"]
+    cfg.plan_host_ram_gb = 512
+    v = dapo.memory_plan(cfg, shape, 1, 8, 80)[1]
+    assert v["gpu_fits"] and not v["host_fits"] and not v["fits"]
+    assert dapo.memory_plan(cfg, shape, 2, 8, 80)[1]["fits"]           # 2 nodes halve the offloaded state
+    cfg, shape = _plan()
+    v = dapo.memory_plan(cfg, shape, 16, 8, 80)[1]
+    assert v["host_peak"] == pytest.approx(32e9 + max(12 * v["params"] / 16, 8 * 5e9))
+    with pytest.raises(dapo.DapoError, match=r"^--plan needs positive sizes \(got --plan-nodes 0, --plan-host-ram-gb 0.0\)$"):
+        dapo.print_plan(_plan("--plan-nodes", "0", "--plan-host-ram-gb", "0")[0])
+
+
+def test_plan_reads_the_weight_file_size_of_a_local_model(tmp_path, capsys):
+    """A local model's largest safetensors file is what rank 0 holds while loading (a sparse
+    7 GB file here); a hub name is assumed to have files of 5 GB."""
+    from transformers import Qwen2Config
+    Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=2).save_pretrained(tmp_path)
+    with open(tmp_path / "model-00001-of-00002.safetensors", "wb") as f:
+        f.truncate(7_000_000_000)
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"x")
+    dapo.print_plan(dapo.parse_config(["--model", str(tmp_path), "--plan", "--plan-nodes", "1"]))
+    out = capsys.readouterr().out
+    print(out)
+    assert re.search(r"peak while loading \(a 7\.0 GB weight file\) +39\.00 GB", out), out
+
+
+def test_run_32b_plan():
+    """`bash run_32b.sh --plan` needs no GPU, model or data: the recipe fits 16 nodes, GPUs and host
+    RAM, and its smallest cluster is 3 nodes."""
+    out = subprocess.run(["bash", "run_32b.sh", "--plan"], cwd=HERE, capture_output=True, text=True, timeout=300)
+    print(out.stdout)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "on 16 node(s) x 8 GPUs of 80 GB" in out.stdout and "host RAM per node (8 ranks" in out.stdout
+    assert re.search(r"^fits: yes \(GPU: yes; host RAM: peak \d+ GB of --plan-host-ram-gb 1000\)$", out.stdout, re.M)
+    assert "smallest cluster that fits this config: 3 node(s) x 8 GPUs" in out.stdout
+
+
+def test_run_32b_preflight(tmp_path):
+    """run_32b.sh checks each node before it starts torchrun: one line and exit 2 for a hub name
+    instead of a local model, a missing data file, a loopback MASTER_ADDR on several nodes, a
+    NODE_RANK out of range. A fake torchrun first on PATH records what would have been launched."""
+    model, bin_ = tmp_path / "model", tmp_path / "bin"
+    model.mkdir(), bin_.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")
+    data = tmp_path / "train.parquet"
+    data.write_bytes(b"")
+    called = tmp_path / "torchrun_args"
+    (bin_ / "torchrun").write_text(f'#!/bin/sh\necho "$@" > {called}\n')
+    (bin_ / "torchrun").chmod(0o755)
+    good = dict(NNODES="2", NODE_RANK="1", MASTER_ADDR="10.0.0.1", MODEL=str(model), TRAIN=str(data), EVAL=str(data))
+
+    def run(**env):
+        e = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", **good, **env}
+        return subprocess.run(["bash", "run_32b.sh"], cwd=HERE, capture_output=True, text=True, timeout=60, env=e)
+
+    for env, msg in [(dict(TRAIN=str(tmp_path / "missing.parquet")), "data file .*missing.parquet not found on this node"),
+                     (dict(MODEL="Qwen/Qwen2.5-32B"), "MODEL=Qwen/Qwen2.5-32B is not a local model directory"),
+                     (dict(MASTER_ADDR="127.0.0.1"), "MASTER_ADDR=127.0.0.1 with NNODES=2"),
+                     (dict(NODE_RANK="2"), r"NODE_RANK=2 must be one of 0\.\.1")]:
+        out = run(**env)
+        print(out.stderr.strip())
+        assert out.returncode == 2 and re.fullmatch(f"error: {msg}.*\n", out.stderr), out.stderr
+        assert not called.exists()
+    out = run()
+    assert out.returncode == 0, out.stderr
+    args = called.read_text()
+    print("would launch: torchrun", args[:160], "...")
+    assert args.startswith("--nnodes 2 --node-rank 1 --nproc-per-node 8 --master-addr 10.0.0.1 --master-port 29500 dapo.py")
+    assert f"--model {model} " in args and " --dual-clip 10 " in args and " --collective-timeout-min 180" in args
+
+
 # --- end to end: the demo, a few steps, through vLLM + FSDP2 + weight sync --------------------
 
 E2E_ARGS = ["--demo-sft-target", "0.1", "--prompts-per-step", "16", "--gen-batch-size", "24",
