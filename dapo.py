@@ -50,7 +50,7 @@ import torch.nn.functional as F
 class Config:
     # model and data
     model: str = ""                  # HF model dir or hub name; "" = the built-in tiny demo model
-    train_data: str = ""             # parquet (verl schema) or JSONL; "" = the built-in task
+    train_data: str = ""             # parquet (verl schema), JSONL or a .json array; "" = the built-in task
     eval_data: str = ""              # held-out file, same formats; "" = built-in held-out split
     dedup: bool = True               # drop repeated prompts (DAPO-Math-17k repeats each ~100x)
     out_dir: str = "runs/dapo"       # metrics, samples and checkpoints go here
@@ -58,11 +58,11 @@ class Config:
     prompts_per_step: int = 512      # N: prompts (groups) in one training batch
     group_size: int = 16             # G: responses sampled per prompt
     gen_batch_size: int = 1536       # prompts per generation batch (verl: 3 x 512)
-    max_gen_batches: int = 10        # give up filling one batch after this many generation batches
+    max_gen_batches: int = 10        # give up filling one batch after this many generation batches (>= 1)
     max_prompt_len: int = 2048       # longer prompts are dropped at load time
     max_response_len: int = 20480    # L_max (Eq. 13): generation stops here (truncated)
     temperature: float = 1.0         # sampling temperature for training rollouts
-    top_p: float = 1.0               # top-p for training rollouts
+    top_p: float = 1.0               # top-p for training rollouts: must be 1 (old log-probs ignore the truncation)
     # DAPO techniques (each one flag; the paper's Table 1 is a set of command lines)
     eps_low: float = 0.2             # ε_low (Eq. 10)
     eps_high: float = 0.28           # ε_high, Clip-Higher (Sec. 3.1); 0.2 = symmetric GRPO clip
@@ -71,12 +71,14 @@ class Config:
     overlong_filtering: bool = True  # Sec. 3.4: mask the loss of truncated samples
     soft_overlong_punishment: bool = True  # Eq. 13: length penalty added to the reward
     overlong_cache_len: int = 4096   # L_cache (Eq. 13): the soft-punishment interval
-    dual_clip: float = 0.0           # c of dual-clip PPO for A < 0 (reference run: 10); 0 = off
+    dual_clip: float = 0.0           # c > 1 of dual-clip PPO, bounds the loss of A < 0 tokens (reference run: 10); 0 = off
+    tis_cap: float = 0.0             # truncated importance sampling against vLLM's sampling policy, cap C; 0 = off (the paper)
     # optimisation (paper Sec. 4.1)
     lr: float = 1e-6                 # AdamW learning rate
     warmup_steps: int = 20           # linear warm-up, in rollout steps
     weight_decay: float = 0.1        # AdamW weight decay (reference run)
-    grad_clip: float = 1.0           # max global grad norm
+    grad_clip: float = 1.0           # max global grad norm; 0 = no clipping (the norm is still logged)
+    max_nonfinite: int = 10          # stop after this many optimizer steps in a row skipped for a NaN/inf loss or gradient
     num_mini_batches: int = 16       # μ: gradient updates per rollout step
     micro_batch_size: int = 4        # sequences per forward/backward on one rank
     micro_batch_tokens: int = 0      # if > 0: form micro-batches by this budget of padded tokens instead
@@ -193,9 +195,29 @@ def init_distributed(timeout_min=Config.collective_timeout_min):
 
 
 def all_gather_objects(obj):
+    """Every rank's obj, and the bytes this rank received (all_gather_object pads each
+    pickle to the largest one, and sends its size first)."""
+    import pickle
     out = [None] * world()
     torch.distributed.all_gather_object(out, obj)
-    return out
+    return out, (world() - 1) * (max(len(pickle.dumps(o)) for o in out) + 8)
+
+
+def all_to_all_objects(outgoing):
+    """outgoing[r]: a picklable object for rank r. Returns the object each rank sent to this
+    one, and the bytes this rank received. PLUMBING: pickles travel as CPU byte tensors, so
+    on a cpu:gloo,cuda:nccl group gloo carries them; sizes go first, in a separate all_to_all."""
+    import pickle
+    blobs = [pickle.dumps(o) for o in outgoing]
+    sizes = torch.tensor([len(b) for b in blobs])
+    in_sizes = torch.empty_like(sizes)
+    torch.distributed.all_to_all_single(in_sizes, sizes)
+    data = torch.empty(int(in_sizes.sum()), dtype=torch.uint8)
+    torch.distributed.all_to_all_single(data, torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8),
+                                        in_sizes.tolist(), sizes.tolist())
+    parts = data.split(in_sizes.tolist())
+    nbytes = sum(in_sizes.tolist()) - in_sizes[rank()].item() + 8 * (world() - 1)
+    return [pickle.loads(p.numpy().tobytes()) for p in parts], nbytes
 
 
 # -----------------------------------------------------------------------------------------
@@ -225,7 +247,7 @@ def dynamic_sampling_mask(correct, group_size):
 
 
 def dapo_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.28, num_tokens=None,
-              token_level=True, num_samples=None, dual_clip=0.0):
+              token_level=True, num_samples=None, dual_clip=0.0, tis_weight=None):
     """Eq. 10/12, the decoupled-clip surrogate, as a loss to minimise.
 
     logp, old_logp, mask: (B, T); advantages: (B,) or (B, T).
@@ -235,17 +257,21 @@ def dapo_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.28, num_
     num_tokens / num_samples default to this batch's; pass the global counts (all micro-batches,
     all ranks) and the per-micro-batch losses add up exactly to the full-batch loss.
     dual_clip = c > 1 also bounds the loss of A < 0 tokens at -c A (dual-clip PPO); 0 = off.
+    tis_weight (B, T), detached, multiplies each token's surrogate (see tis_weights); None = 1.
     Returns (loss, stats) with stats: clip/low_frac, clip/high_frac, approx_kl (token means).
     """
     mask = mask.float()
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
     log_ratio = torch.where(mask.bool(), logp - old_logp, 0.0)  # padding never reaches exp()
+    log_ratio = log_ratio.clamp(-20.0, 20.0)  # as verl: a wild token cannot overflow exp()
     ratio = torch.exp(log_ratio)
     surr1 = ratio * adv
     surr2 = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv
     per_token = -torch.min(surr1, surr2)
     if dual_clip:
         per_token = torch.where(adv < 0, torch.minimum(per_token, -dual_clip * adv), per_token)
+    if tis_weight is not None:
+        per_token = per_token * tis_weight
     if token_level:  # DAPO (token-level loss): every token weighs the same
         n = mask.sum() if num_tokens is None else num_tokens
         loss = (per_token * mask).sum() / max(float(n), 1.0)
@@ -261,6 +287,17 @@ def dapo_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.28, num_
             "approx_kl": ((ratio - 1 - log_ratio) * m).sum() / cnt,  # k3 estimator of KL(old||new)
         }
     return loss, stats
+
+
+def tis_weights(old_logp, rollout_logp, mask, cap):
+    """Truncated importance sampling against the rollout policy (off by default; verl, TRL).
+    vLLM sampled from pi_rollout, which differs slightly from the trainer's pi_old (kernels,
+    bf16): w = min(pi_old / pi_rollout, cap) per token, detached. Returns (w, stats)."""
+    log_w = torch.where(mask.bool(), old_logp - rollout_logp, 0.0).clamp(max=20.0)
+    raw = torch.exp(log_w).detach()
+    w = raw.clamp(max=cap)
+    m, cnt = mask.float(), mask.float().sum().clamp(min=1)
+    return w, {"tis/weight_mean": (w * m).sum() / cnt, "tis/clipped_frac": ((raw > cap).float() * m).sum() / cnt}
 
 
 def _chunk_logprobs(hidden, weight, targets, temperature):
@@ -728,40 +765,73 @@ def load_policy(cfg, path, device, weights=True):
     return model
 
 
-def start_engine(cfg, path, device):
+def start_engine(cfg, path, device, dummy_weights=False):
     """vLLM inside this process. external_launcher reuses torchrun's process group; every rank
-    builds its engine at the same time, and TP groups are contiguous ranks."""
+    builds its engine at the same time, and TP groups are contiguous ranks. dummy_weights: the
+    trainer already holds the weights and syncs them before the first generation, so vLLM does
+    not read the checkpoint a second time on every rank."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # VLLM_LOGGING_LEVEL=INFO shows the engine's log
     from vllm import LLM
-    kw = {}
+    kw = {"load_format": "dummy"} if dummy_weights else {}
     if device.type == "cuda":
-        kw.update(gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.vllm_sleep)
-    else:  # PLUMBING: otherwise the CPU backend takes a fraction of RAM per rank
-        kw.update(kv_cache_memory_bytes=int(cfg.cpu_kv_cache_gb * 2**30))
+        kw.update(gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.vllm_sleep,
+                  hf_overrides={"head_dtype": "float32"})  # fp32 logits, as the trainer computes them
+    else:  # PLUMBING: otherwise the CPU backend takes a fraction of RAM per rank; it has no CUDA graphs
+        kw.update(kv_cache_memory_bytes=int(cfg.cpu_kv_cache_gb * 2**30), enforce_eager=True)
     try:
         llm = LLM(model=path, dtype="bfloat16" if device.type == "cuda" else "float32",
                   tensor_parallel_size=cfg.tp_size, distributed_executor_backend="external_launcher",
                   max_model_len=cfg.max_prompt_len + cfg.max_response_len, seed=cfg.seed,
                   logprobs_mode="processed_logprobs",  # log-probs at the sampling temperature
-                  enable_prefix_caching=True, enforce_eager=True, **kw)
+                  enable_prefix_caching=True, **kw)
     except Exception as e:
         raise DapoError(f"vLLM could not start on model '{path}': {' '.join(str(e).split())[:500]}")
     return llm
 
 
-def sync_weights(model, llm):
+def _reload_and_list_missing(worker, weights_iterator):
+    """Runs inside vLLM's worker (collective_rpc): reload_weights in place, and return the
+    engine's parameters that no streamed tensor wrote. vLLM itself only logs them."""
+    model = worker.model_runner.get_model()
+    loaded = set()
+    load_weights = model.load_weights
+
+    def recording(weights):
+        names = load_weights(weights)
+        loaded.update(names or ())
+        return names
+
+    model.load_weights = recording
+    try:
+        worker.reload_weights(weights_iterator=weights_iterator)
+    finally:
+        del model.load_weights
+    return sorted({name for name, _ in model.named_parameters()} - loaded)
+
+
+def sync_weights(model, llm, skip=()):
     """Push the trained weights into vLLM: ONE reload_weights call carrying every tensor, then
     drop the prefix cache. state_dict() (not named_parameters()) so that a tied lm_head is
-    included; one call per tensor would corrupt vLLM's fused qkv/gate_up layers."""
-    dtype = llm.llm_engine.model_config.dtype
+    included; one call per tensor would corrupt vLLM's fused qkv/gate_up layers. Every engine
+    parameter must be written: after dummy start-up or a level-2 sleep a missing one is garbage.
+    skip: names left out of the stream (tests only)."""
+    engine = llm.llm_engine.model_config
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
     def stream():
         for name, t in model.state_dict().items():
-            t = t.full_tensor() if hasattr(t, "full_tensor") else t  # PLUMBING: gathers FSDP shards
-            yield name, t.to(dtype)
+            if name in skip:
+                continue
+            # cast (and, offloaded, move) the local shard first: the gather then moves half the bytes
+            t = t.to(device=device, dtype=engine.dtype)
+            yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t)  # PLUMBING: gathers FSDP shards
 
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})
+    missing = llm.collective_rpc(_reload_and_list_missing, kwargs={"weights_iterator": stream()})[0]
     llm.reset_prefix_cache()
+    if missing:
+        raise DapoError(f"weight sync left {len(missing)} of vLLM's parameters unwritten, e.g. {missing[:3]} "
+                        f"(their values would be garbage): the trainer's state_dict names do not cover the "
+                        f"engine's model; check that --model is a causal LM that vLLM and transformers name alike")
 
 
 def save_hf(model, tokenizer, path, dtype=torch.bfloat16, shard_gb=5.0):
@@ -816,53 +886,94 @@ def request_seed(*key):
     return random.Random("-".join(map(str, key))).getrandbits(31)
 
 
-def sample_groups(llm, tokenizer, rows, prompt_ids, idx, cfg, n, temperature, top_p, key):
+def sample_groups(llm, tokenizer, rows, prompt_ids, idx, cfg, n, temperature, top_p, key, answers=False):
     """n responses for each prompt rows[i], i in idx, split across data-parallel groups of
-    vLLM; every rank gets all groups back, in order. A sample is a dict (see below)."""
+    vLLM. Every rank gets all groups back, in order, but a response's tokens stay on the rank
+    that generated it: only metadata crosses ranks. A sample is a dict: "pos" (in idx), "row",
+    "prompt_ids", "src" (the rank holding its tokens), "correct", "len", "truncated", with
+    answers=True the extracted "answer" (for maj@k), and on rank "src" also "response_ids",
+    "vllm_logp" and "text"."""
     import reward
     from vllm import SamplingParams
-    dp_rank, dp_size = rank() // cfg.tp_size, world() // cfg.tp_size
+    tp, dp_rank, dp_size = cfg.tp_size, rank() // cfg.tp_size, world() // cfg.tp_size
     mine = list(range(dp_rank, len(idx), dp_size))  # TP ranks of one group share prompts and seeds
     params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=cfg.max_response_len,
                              logprobs=0, seed=request_seed(*key, j, idx[j])) for j in mine]
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": prompt_ids[idx[j]]} for j in mine], params, use_tqdm=False) if mine else []
     t1 = time.perf_counter()
-    samples = []
+    local = []
     for j, out in zip(mine, outs):
         for o in out.outputs:
             ids = list(o.token_ids)
-            samples.append({"pos": j, "row": idx[j], "prompt_ids": prompt_ids[idx[j]], "response_ids": ids,
-                            "vllm_logp": [lp[t].logprob for lp, t in zip(o.logprobs, ids)],
-                            "truncated": o.finish_reason == "length",
-                            "text": tokenizer.decode(ids, skip_special_tokens=True)})
-    correct, rstats = reward.score_batch([s["text"] for s in samples], [rows[s["row"]]["answer"] for s in samples],
+            local.append({"response_ids": ids, "vllm_logp": [lp[t].logprob for lp, t in zip(o.logprobs, ids)],
+                          "truncated": o.finish_reason == "length",
+                          "text": tokenizer.decode(ids, skip_special_tokens=True)})
+    correct, rstats = reward.score_batch([s["text"] for s in local], [rows[idx[j]]["answer"] for j in mine for _ in range(n)],
                                          timeout=cfg.reward_timeout, num_workers=cfg.reward_workers)
-    for s, c in zip(samples, correct):
-        s["correct"] = c
+    for s, c in zip(local, correct):
+        s.update(correct=c, len=len(s["response_ids"]))
+        if answers:
+            s["answer"] = reward.extract_answer(s["text"])
     t2 = time.perf_counter()
     times = {"time/rollout": t1 - t0, "time/reward": t2 - t1, "reward/timeouts": rstats["timeouts"]}
-    # PLUMBING: everyone gets everything; the first rank of each TP group speaks for it, the
-    # others send a digest of their responses, which must be identical to their leader's
-    digest = hash(tuple(tuple(s["response_ids"]) for s in samples))
-    gathered = all_gather_objects((samples if rank() % cfg.tp_size == 0 else [], times, digest))
-    by_pos = {}  # by position in idx, not by row: a prompt may be drawn twice in one batch
-    for part, _, _ in gathered:
-        for s in part:
-            by_pos.setdefault(s["pos"], []).append(s)
+    # Only what the decisions need crosses ranks: correctness (dynamic sampling), length and
+    # truncation (rewards, statistics, Eq. 12's token count). The first rank of each TP group
+    # speaks for it; the others send a digest of their responses, which must equal their leader's.
+    fields = ("correct", "len", "truncated") + (("answer",) if answers else ())
+    meta = [tuple(s[f] for f in fields) for s in local] if rank() % tp == 0 else []
+    digest = hash(tuple(tuple(s["response_ids"]) for s in local))
+    gathered, nbytes = all_gather_objects((meta, times, digest))
+    groups = []
+    for j in range(len(idx)):
+        src, k = j % dp_size * tp, j // dp_size  # j is the k-th prompt of DP group j % dp_size
+        part = local if src == rank() else gathered[src][0]
+        groups.append([{"pos": j, "row": idx[j], "prompt_ids": prompt_ids[idx[j]], "src": src,
+                        **(x if src == rank() else dict(zip(fields, x)))} for x in part[k * n:(k + 1) * n]])
     times = {k: max(t[k] for _, t, _ in gathered) for k in times}
     times["reward/timeouts"] = sum(t["reward/timeouts"] for _, t, _ in gathered)
-    times["sync/tp_mismatch"] = sum(d != gathered[r - r % cfg.tp_size][2] for r, (_, _, d) in enumerate(gathered))
-    return [by_pos[j] for j in range(len(idx))], times
+    times["sync/tp_mismatch"] = sum(d != gathered[r - r % tp][2] for r, (_, _, d) in enumerate(gathered))
+    times["comm/meta_bytes"] = nbytes
+    return groups, times
 
 
 def shape_rewards(samples, cfg):
     """Eq. 7 (+1 correct, -1 otherwise) plus, with soft overlong punishment, Eq. 13."""
     r = torch.tensor([1.0 if s["correct"] else -1.0 for s in samples])
     if cfg.soft_overlong_punishment:  # DAPO (soft overlong punishment, Eq. 13)
-        lengths = torch.tensor([len(s["response_ids"]) for s in samples])
+        lengths = torch.tensor([s["len"] for s in samples])
         r = r + overlong_penalty(lengths, cfg.max_response_len, cfg.overlong_cache_len)
     return r
+
+
+def trainer_ranks(num_samples, cfg):
+    """The rank that trains each sample of the kept list (None: beyond the last full
+    mini-batch, not trained), as micro_batches splits it: mini-batch m is a contiguous slice
+    of `size` samples, and rank r trains mini[r::world()]."""
+    size = num_samples // cfg.num_mini_batches
+    return [i % size % world() if i < size * cfg.num_mini_batches else None for i in range(num_samples)]
+
+
+def distribute(samples, cfg):
+    """Move each kept sample's tokens from the rank that generated it to the rank that trains
+    it; every other rank keeps a stub (metadata, reward, advantage). `samples`: the kept list,
+    the same on every rank. Adds "trainer" to each sample; returns the bytes this rank received."""
+    owner = trainer_ranks(len(samples), cfg)
+    outgoing = [[] for _ in range(world())]
+    for i, (s, t) in enumerate(zip(samples, owner)):
+        s["trainer"] = t
+        if s["src"] == rank() and t is not None and t != rank():
+            outgoing[t].append((i, s["response_ids"], s["vllm_logp"]))
+    received, nbytes = all_to_all_objects(outgoing)
+    for part in received:
+        for i, ids, logp in part:
+            samples[i].update(response_ids=ids, vllm_logp=logp)
+    for s in samples:
+        s.pop("text", None)  # the same fields whether the tokens were generated here or received
+        if s["trainer"] != rank():  # a stub: the update path reads only its length
+            s.pop("vllm_logp", None)
+            s.pop("response_ids", None)
+    return nbytes
 
 
 def collect_batch(sample_fn, sampler, cfg):
@@ -933,8 +1044,8 @@ def pack_by_tokens(samples, budget):
     """Longest first, fill each micro-batch while its padded size, sequences x (longest prompt
     + longest response) as collate() lays it out, stays within the budget."""
     out, cur, P, R = [], [], 0, 0
-    for s in sorted(samples, key=lambda s: -(len(s["prompt_ids"]) + len(s["response_ids"]))):
-        p, r = len(s["prompt_ids"]), len(s["response_ids"])
+    for s in sorted(samples, key=lambda s: -(len(s["prompt_ids"]) + s["len"])):
+        p, r = len(s["prompt_ids"]), s["len"]
         if cur and (len(cur) + 1) * (max(P, p) + max(R, r)) > budget:
             out.append(cur)
             cur, P, R = [], 0, 0
@@ -944,85 +1055,140 @@ def pack_by_tokens(samples, budget):
 
 
 def micro_batches(samples, cfg):
-    """Split the batch into μ mini-batches, and this rank's share of each into micro-batches:
-    micro_batch_size sequences each, or packed by the token budget micro_batch_tokens. Every
-    rank must run the same number of forward passes (FSDP's collectives pair up), so a rank
-    with fewer micro-batches gets extra ones holding a zero-weight copy of a sample.
-    Returns (mini-batches of all ranks' samples, this rank's micro-batches per mini-batch)."""
+    """Split the batch into μ mini-batches, and this rank's share of each (trainer_ranks) into
+    micro-batches: micro_batch_size sequences each, or packed by the token budget
+    micro_batch_tokens. Every rank must run the same number of forward passes (FSDP's
+    collectives pair up), so a rank with fewer micro-batches gets extra ones holding a
+    zero-weight copy of one of its own samples. Other ranks' samples are stubs here: only
+    their lengths are read. Returns (mini-batches of all ranks' samples, this rank's
+    micro-batches per mini-batch)."""
+    owner = trainer_ranks(len(samples), cfg)
     size = len(samples) // cfg.num_mini_batches
-    minis = [samples[m * size:(m + 1) * size] for m in range(cfg.num_mini_batches)]
-    plan = []
-    for mini in minis:
-        shares = [mini[r::world()] for r in range(world())]
+    minis, plan = [], []
+    for m in range(cfg.num_mini_batches):
+        mini = samples[m * size:(m + 1) * size]
+        shares = [[s for s, t in zip(mini, owner[m * size:]) if t == r] for r in range(world())]
         if cfg.micro_batch_tokens:
-            cuts = [pack_by_tokens(s, cfg.micro_batch_tokens) for s in shares]
+            cuts = [pack_by_tokens(share, cfg.micro_batch_tokens) for share in shares]
         else:
-            cuts = [[s[j:j + cfg.micro_batch_size] for j in range(0, len(s), cfg.micro_batch_size)] for s in shares]
+            cuts = [[share[j:j + cfg.micro_batch_size] for j in range(0, len(share), cfg.micro_batch_size)]
+                    for share in shares]
         mine = cuts[rank()]
-        mine += [[dict(mini[0], dummy=True)]] * (max(map(len, cuts)) - len(mine))
+        mine += [[dict(shares[rank()][0], dummy=True)]] * (max(map(len, cuts)) - len(mine))
+        minis.append(mini)
         plan.append(mine)
     return minis, plan
 
 
 def old_logprobs(model, plan, cfg, pad_id, device):
     """π_θold: log-probs of the policy that generated the batch, recomputed by the trainer
-    before any update (stored per sample as "old_logp")."""
+    before any update (stored per sample as "old_logp"). The first mini-batch is skipped: its
+    own forward pass, before the first optimizer step, is π_θold (see policy_gradient)."""
     with torch.no_grad():
-        for micros in plan:
+        for micros in plan[1:]:
             for mb in micros:
                 b = collate(mb, pad_id, device, False)
                 lp, _ = model.forward_logprobs(b, cfg.temperature, cfg.logprob_chunk)
-                for s, row, n in zip(mb, lp, b["mask"].sum(1).long().tolist()):
-                    s["old_logp"] = row[:n].cpu()
+                for s, row in zip(mb, lp):
+                    s["old_logp"] = row[:len(s["response_ids"])].cpu()
 
 
-def policy_gradient(model, mini, micros, cfg, pad_id, device):
+def policy_gradient(model, mini, micros, cfg, pad_id, device, first=False):
     """Accumulate the gradient of Eq. 12 for one mini-batch (`mini`: all ranks' samples;
-    `micros`: this rank's micro-batches). Returns local sums for the statistics."""
+    `micros`: this rank's micro-batches). first=True: the policy is still π_θold, so the
+    forward pass gives the old log-probs too. Returns (local sums of STATS, the global token count)."""
     # DAPO (token-level loss): the normaliser is this mini-batch's token count over ALL
     # micro-batches and ranks, so the per-micro-batch losses add up to Eq. 12 exactly.
-    lens = [0 if (cfg.overlong_filtering and s["truncated"]) else len(s["response_ids"]) for s in mini]
+    lens = [0 if (cfg.overlong_filtering and s["truncated"]) else s["len"] for s in mini]
     num_tokens, num_samples = sum(lens), sum(1 for n in lens if n)
-    sums = torch.zeros(6, dtype=torch.float64)
+    sums = torch.zeros(len(STATS), dtype=torch.float64)
     for mb in micros:
         b = collate(mb, pad_id, device, cfg.overlong_filtering)
         logp, ent = model.forward_logprobs(b, cfg.temperature, cfg.logprob_chunk)
+        if first:
+            for s, row in zip(mb, logp.detach()):
+                s["old_logp"] = row[:len(s["response_ids"])].cpu()
         old = torch.zeros_like(logp)
         for i, s in enumerate(mb):
             old[i, :len(s["old_logp"])] = s["old_logp"].to(device)
+        tis, st = None, {}
+        if cfg.tis_cap:  # correct for vLLM's sampling distribution (off by default: the paper's objective)
+            rollout = torch.zeros_like(logp)
+            for i, s in enumerate(mb):
+                rollout[i, :len(s["vllm_logp"])] = torch.tensor(s["vllm_logp"], device=device)
+            tis, st = tis_weights(old, rollout, b["mask"], cfg.tis_cap)
         adv = torch.tensor([s["adv"] for s in mb], device=device)
-        loss, st = dapo_loss(logp, old, adv, b["mask"], cfg.eps_low, cfg.eps_high, num_tokens=num_tokens,
-                             token_level=cfg.token_level_loss, num_samples=num_samples, dual_clip=cfg.dual_clip)
+        loss, clip_st = dapo_loss(logp, old, adv, b["mask"], cfg.eps_low, cfg.eps_high, num_tokens=num_tokens,
+                                  token_level=cfg.token_level_loss, num_samples=num_samples,
+                                  dual_clip=cfg.dual_clip, tis_weight=tis)
         (loss * world()).backward()  # PLUMBING: FSDP2 averages gradients over ranks; Eq. 12 wants the sum
         n = b["mask"].sum().item()
-        sums += torch.tensor([n, st["clip/low_frac"] * n, st["clip/high_frac"] * n, st["approx_kl"] * n,
-                              (ent * b["mask"]).sum().item(), loss.item()], dtype=torch.float64)
-    return sums
+        st.update(clip_st, entropy=(ent * b["mask"]).sum() / max(n, 1.0))
+        sums += torch.tensor([n, loss.item()] + [float(st.get(k, 0.0)) * n for k in STATS[2:]], dtype=torch.float64)
+    return sums, num_tokens
 
 
-def update_policy(model, opt, samples, cfg, pad_id, device):
+# What policy_gradient sums per rank: trained tokens, the loss, then token means (times tokens)
+STATS = ("tokens", "loss", "clip/low_frac", "clip/high_frac", "approx_kl", "entropy", "tis/weight_mean",
+         "tis/clipped_frac")
+
+
+def sync_diff_stats(samples):
+    """|vLLM's log-prob - the trainer's π_θold log-prob| of every sampled token this rank trains
+    on: mean, p99 and max. Equal weights give ~1e-6 on CPU fp32; a broken weight sync gives
+    nats. Reduced over ranks: the mean and max exactly, p99 as the largest rank's p99."""
+    d = torch.cat([(torch.tensor(s["vllm_logp"]) - s["old_logp"]).abs() for s in samples] or [torch.zeros(1)])
+    p99 = torch.quantile(d[-2**24:].double(), 0.99).item()  # quantile() takes at most 2^24 values
+    total = torch.tensor([d.sum().item(), d.numel()], dtype=torch.float64)
+    worst = torch.tensor([p99, d.max().item()], dtype=torch.float64)
+    torch.distributed.all_reduce(total)
+    torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX)
+    return {"sync/logp_diff_mean": total[0].item() / total[1].item(), "sync/logp_diff_p99": worst[0].item(),
+            "sync/logp_diff_max": worst[1].item()}
+
+
+def update_policy(model, opt, samples, cfg, pad_id, device, nonfinite_streak=0):
     """μ = num_mini_batches AdamW steps on the training batch (each sample carries "adv").
-    Returns the statistics, reduced over ranks."""
+    A mini-batch with a non-finite loss or gradient norm on any rank, or with no trainable
+    token, does not step the optimizer on any rank. Returns the statistics, reduced over ranks;
+    "nonfinite/streak" counts the skipped steps in a row, to pass in the next time."""
     minis, plan = micro_batches(samples, cfg)
     old_logprobs(model, plan, cfg, pad_id, device)
-    sums, grad_norms = torch.zeros(6, dtype=torch.float64), []
-    for mini, micros in zip(minis, plan):
+    sums, grad_norms, skipped = torch.zeros(len(STATS), dtype=torch.float64), [], 0
+    for m, (mini, micros) in enumerate(zip(minis, plan)):
         opt.zero_grad(set_to_none=True)
-        sums += policy_gradient(model, mini, micros, cfg, pad_id, device)
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        grad_norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        local, num_tokens = policy_gradient(model, mini, micros, cfg, pad_id, device, first=m == 0)
+        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        finite = torch.tensor(float(math.isfinite(local[1].item()) and math.isfinite(norm)))
+        torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
+        if not finite.item():  # never step on NaN/inf: AdamW would write it into every weight
+            skipped += 1
+            nonfinite_streak += 1
+            if nonfinite_streak >= cfg.max_nonfinite:
+                raise DapoError(f"{nonfinite_streak} optimizer steps in a row had a non-finite loss or gradient "
+                                f"norm and were skipped (the weights are still finite): lower --lr, check the "
+                                f"data and the reward, or raise --max-nonfinite")
+            continue
+        nonfinite_streak = 0
+        if num_tokens == 0:  # every token masked (e.g. all truncated): no momentum or decay drift
+            continue
         opt.step()
+        sums += local
+        grad_norms.append(norm)
+    opt.zero_grad(set_to_none=True)
     torch.distributed.all_reduce(sums)
-    # vLLM's log-probs against the trainer's for the same tokens and weights: a broken weight
-    # sync shows up here (it measured 1e-6 on CPU; bf16 on GPU is looser)
-    diffs = [float((torch.tensor(s["vllm_logp"]) - s["old_logp"]).abs().max())
-             for micros in plan for mb in micros for s in mb if s["response_ids"]]
-    diff = torch.tensor(max(diffs, default=0.0))
-    torch.distributed.all_reduce(diff, op=torch.distributed.ReduceOp.MAX)
-    n = max(sums[0].item(), 1.0)
-    return {"loss": sums[5].item() / cfg.num_mini_batches, "clip/low_frac": sums[1].item() / n,
-            "clip/high_frac": sums[2].item() / n, "approx_kl": sums[3].item() / n, "entropy": sums[4].item() / n,
-            "grad_norm": sum(grad_norms) / len(grad_norms), "sync/logp_diff_max": diff.item()}
+    stats = {k: sums[i].item() / max(sums[0].item(), 1.0) for i, k in enumerate(STATS) if i >= 2}
+    if not cfg.tis_cap:
+        stats.pop("tis/weight_mean"), stats.pop("tis/clipped_frac")
+    mine = [s for micros in plan for mb in micros for s in mb if not s.get("dummy")]
+    padding = torch.tensor(sum(1 for micros in plan for mb in micros if mb[0].get("dummy")))
+    torch.distributed.all_reduce(padding)
+    return {"loss": sums[1].item() / max(len(grad_norms), 1), **stats,
+            "grad_norm": sum(grad_norms) / max(len(grad_norms), 1), "nonfinite/skipped": skipped,
+            "nonfinite/streak": nonfinite_streak, "update/padding_micro_batches": padding.item(),
+            **sync_diff_stats(mine)}
 
 
 # -----------------------------------------------------------------------------------------
@@ -1033,22 +1199,39 @@ def pass_at_k(n, c, k):
     return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
+def majority_correct(answers, truth):
+    """maj@k (the paper's cons@k): 1.0 if the most common answer is right. Answers vote by
+    equivalence class (reward.is_equivalent: "1/2", "0.5" and "\\frac12" are one vote each for
+    the same answer), not as raw strings; None (no answer) never votes. Ties: the first seen."""
+    import reward
+    classes = []  # [representative, votes]
+    for a in answers:
+        if a is None:
+            continue
+        for c in classes:
+            if reward.is_equivalent(a, c[0]):
+                c[1] += 1
+                break
+        else:
+            classes.append([a, 1])
+    if not classes:
+        return 0.0
+    top = max(classes, key=lambda c: c[1])  # max() keeps the first of equal counts
+    return float(reward.is_equivalent(top[0], truth))
+
+
 def evaluate(llm, tokenizer, rows, prompt_ids, cfg, tag):
     """Sample k = eval_samples responses per held-out prompt (split across ranks) and score them."""
-    import reward
-    from collections import Counter
     k = cfg.eval_samples
     idx = list(range(len(rows) if not cfg.eval_max_prompts else min(len(rows), cfg.eval_max_prompts)))
     groups, _ = sample_groups(llm, tokenizer, rows, prompt_ids, idx, cfg, k, cfg.eval_temperature,
-                              cfg.eval_top_p, (cfg.seed, "eval", tag))
+                              cfg.eval_top_p, (cfg.seed, "eval", tag), answers=True)
     avg, pas, maj = [], [], []
     for i, g in zip(idx, groups):
         c = sum(s["correct"] for s in g)
         avg.append(c / k)
         pas.append(pass_at_k(k, c, k))
-        answers = [a for a in (reward.extract_answer(s["text"]) for s in g) if a is not None]
-        top = Counter(answers).most_common(1)
-        maj.append(float(bool(top) and reward.is_equivalent(top[0][0], rows[i]["answer"])))
+        maj.append(majority_correct([s["answer"] for s in g], rows[i]["answer"]))
     n = len(idx)
     return {f"eval/avg@{k}": sum(avg) / n, f"eval/pass@{k}": sum(pas) / n, f"eval/maj@{k}": sum(maj) / n}
 
@@ -1332,6 +1515,22 @@ def check_config(cfg):
         problems.append("--group-size must be at least 2 (Eq. 9 needs a group)")
     if cfg.soft_overlong_punishment and not 0 < cfg.overlong_cache_len < cfg.max_response_len:
         problems.append("--overlong-cache-len must lie between 0 and --max-response-len")
+    # values that would silently train wrongly
+    if 0 < cfg.dual_clip <= 1 or cfg.dual_clip < 0:
+        problems.append(f"--dual-clip {cfg.dual_clip} would zero the gradient of every A < 0 token: give c > 1 "
+                        f"(the reference run used 10) or 0 for off")
+    if cfg.max_gen_batches < 1:
+        problems.append("--max-gen-batches must be at least 1 (verl's 0 = no limit would generate forever on data "
+                        "the model never solves: give a large number instead)")
+    if cfg.top_p != 1.0:
+        problems.append(f"--top-p {cfg.top_p} in training biases the importance ratio (the old log-probs ignore "
+                        f"the truncation): use 1.0; --eval-top-p sets evaluation")
+    if cfg.tis_cap < 0 or 0 < cfg.tis_cap < 1:
+        problems.append(f"--tis-cap must be 0 (off) or at least 1 (verl and TRL use 2), not {cfg.tis_cap}")
+    if cfg.max_nonfinite < 1:
+        problems.append("--max-nonfinite must be at least 1")
+    if cfg.grad_clip < 0:
+        problems.append("--grad-clip must be >= 0 (0 = no clipping)")
     if problems:
         raise DapoError("; ".join(problems))
 
@@ -1409,7 +1608,7 @@ def train(cfg):
         torch.distributed.barrier()
     tokenizer = AutoTokenizer.from_pretrained(path)
     train_rows, train_ids, eval_rows, eval_ids = prepare_data(cfg, tokenizer)
-    llm = start_engine(cfg, path, device)
+    llm = start_engine(cfg, path, device, dummy_weights=not cfg.eval_only)
 
     def run_eval(tag):
         if not eval_rows:
@@ -1429,6 +1628,7 @@ def train(cfg):
         load_checkpoint(ckpt, model, opt)
         sampler.restore(*state["sampler"])
         print0(f"resumed from {ckpt} at step {state['step']}")
+    sync_weights(model, llm)  # vLLM started with dummy weights: it gets the trainer's before generating
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     logs = {}
     if rank() == 0:  # rank 0 alone writes
@@ -1448,6 +1648,7 @@ def train(cfg):
     bar = tqdm(range(state["step"], cfg.steps), desc="DAPO", disable=rank() != 0, dynamic_ncols=True,
                initial=state["step"], total=cfg.steps)
     _RUN["bar"] = bar  # for the Ctrl-C message (see main)
+    nonfinite_streak = 0
     for step in bar:
         _RUN["step"] = step + 1
         t0 = time.perf_counter()
@@ -1463,6 +1664,10 @@ def train(cfg):
         rewards = torch.tensor([s["reward"] for s in samples])
         for s, a in zip(samples, group_advantages(rewards, cfg.group_size).tolist()):
             s["adv"] = a
+        # Every rank decided the same kept list; now each sample's tokens go to the rank that trains it.
+        got = torch.tensor(m.pop("comm/meta_bytes") + distribute(samples, cfg), dtype=torch.float64)
+        torch.distributed.all_reduce(got, op=torch.distributed.ReduceOp.MAX)
+        m["comm/bytes_received"] = got.item()  # metadata + tokens, by the rank that received most
         # 3. μ gradient updates, with linear warm-up over rollout steps.
         lr = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
         for g in opt.param_groups:
@@ -1470,7 +1675,8 @@ def train(cfg):
         if sleep:
             llm.sleep(level=2)  # PLUMBING: free the KV cache and vLLM's weights while training
         t1 = time.perf_counter()
-        m.update(update_policy(model, opt, samples, cfg, pad_id, device))
+        m.update(update_policy(model, opt, samples, cfg, pad_id, device, nonfinite_streak))
+        nonfinite_streak = m["nonfinite/streak"]
         t2 = time.perf_counter()
         # 4. Push the new weights into vLLM.
         if sleep:
@@ -1480,7 +1686,7 @@ def train(cfg):
             llm.wake_up()
         t3 = time.perf_counter()
         # 5. Log, evaluate, checkpoint.
-        lens = [len(s["response_ids"]) for s in every]
+        lens = [s["len"] for s in every]
         m.update({"step": step + 1, "reward/mean": sum(s["reward"] for s in every) / len(every),
                   "acc/mean": sum(s["correct"] for s in every) / len(every),
                   "len/mean": sum(lens) / len(lens), "len/max": max(lens),
@@ -1491,9 +1697,11 @@ def train(cfg):
             m.update(run_eval(f"step {step + 1}"))
         if rank() == 0:
             logs["metrics"].write(json.dumps(m) + "\n")
-            for s in samples[:: max(1, len(samples) // max(1, cfg.log_samples))][:cfg.log_samples]:
+            own = [s for s in samples if s["trainer"] == 0]  # the samples whose tokens rank 0 holds
+            for s in own[:: max(1, len(own) // max(1, cfg.log_samples))][:cfg.log_samples]:
                 logs["samples"].write(json.dumps({
-                    "step": step + 1, "prompt": tokenizer.decode(s["prompt_ids"]), "response": s["text"],
+                    "step": step + 1, "prompt": tokenizer.decode(s["prompt_ids"]),
+                    "response": tokenizer.decode(s["response_ids"], skip_special_tokens=True),
                     "answer": train_rows[s["row"]]["answer"], "reward": s["reward"], "correct": s["correct"]}) + "\n")
             for f in logs.values():
                 f.flush()

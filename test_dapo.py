@@ -551,7 +551,7 @@ def test_fp32_head_under_bf16_mixed_precision():
 _MEM_SCRIPT = r"""
 import sys, torch, dapo
 from torch.distributed._tools.mem_tracker import MemTracker
-T, h, V, mode = 4096, 256, 32768, sys.argv[1]
+T, h, V, mode = 2048, 256, 32768, sys.argv[1]
 hidden = torch.randn(1, T, h, dtype=torch.bfloat16).requires_grad_()
 weight = (torch.randn(V, h) / 16).bfloat16().requires_grad_()
 targets = torch.randint(0, V, (1, T))
@@ -560,7 +560,7 @@ tracker.track_external(hidden, weight, targets)
 with tracker:
     base = tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"]
     if mode == "fused":
-        lp, _ = dapo.token_logprobs(hidden, weight, targets, chunk=512)
+        lp, _ = dapo.token_logprobs(hidden, weight, targets, chunk=256)
     else:   # HF's lm_head, then log_softmax in fp32
         logits = hidden @ weight.T
         lp = torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None])[..., 0]
@@ -570,7 +570,7 @@ print((tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] - base
 
 
 def test_token_logprobs_peak_memory():
-    """Peak extra tensor memory of forward+backward from (4096, 256) hidden states through a
+    """Peak extra tensor memory of forward+backward from (2048, 256) hidden states through a
     32768-token head: logits then log_softmax, against the fused chunked fp32 path."""
     peaks = {}
     for mode in ("naive", "fused"):
@@ -578,7 +578,7 @@ def test_token_logprobs_peak_memory():
                              text=True, timeout=300)
         assert out.returncode == 0, out.stderr
         peaks[mode] = float(out.stdout.strip())
-    print(f"log-prob peak extra memory, T=4096 V=32768: logits + fp32 log_softmax {peaks['naive']:.0f} MiB, "
+    print(f"log-prob peak extra memory, T=2048 V=32768: logits + fp32 log_softmax {peaks['naive']:.0f} MiB, "
           f"fused fp32 head {peaks['fused']:.0f} MiB ({peaks['naive'] / max(peaks['fused'], 1):.1f}x less)")
     assert peaks["fused"] < peaks["naive"] / 3
 
@@ -637,6 +637,8 @@ def test_pack_by_tokens_respects_the_padded_budget():
     import random
     rng = random.Random(0)
     samples = [{"prompt_ids": [0] * rng.randint(1, 9), "response_ids": [0] * rng.randint(1, 30)} for _ in range(50)]
+    for smp in samples:
+        smp["len"] = len(smp["response_ids"])
     packs = dapo.pack_by_tokens(samples, 64)
     assert sorted(map(id, (s for p in packs for s in p))) == sorted(map(id, samples))   # each sample once
     for p in packs:
@@ -748,7 +750,7 @@ def _grad_worker(model_dir, out_path, micro_batch_size, micro_batch_tokens=0, gr
     for i in range(8):   # unequal lengths (rank 0's share long, rank 1's short), one truncated sample
         resp = [rng.randrange(3, 20) for _ in range(rng.randint(8, 14) if i % 2 == 0 else rng.randint(1, 3))] + [1]
         samples.append({"prompt_ids": [rng.randrange(3, 20) for _ in range(rng.randint(2, 5))],
-                        "response_ids": resp, "truncated": i == 5, "adv": rng.gauss(0, 1)})
+                        "response_ids": resp, "len": len(resp), "truncated": i == 5, "adv": rng.gauss(0, 1)})
     for s in samples:   # an "old" policy a little off the current one, so clipping happens
         s["old_logp"] = torch.tensor([rng.gauss(-3.0, 0.5) for _ in s["response_ids"]])
     minis, plan = dapo.micro_batches(samples, cfg)
@@ -1052,6 +1054,259 @@ def _dcp_model(ckpt):
     return torch.load(os.path.join(ckpt, "dcp.pt"))["model"]
 
 
+# --- numerics: non-finite steps, masked mini-batches, the first mini-batch's old log-probs ----
+
+def _update_samples(n=8, seed=0):
+    import random
+    rng = random.Random(seed)
+    samples = []
+    for i in range(n):
+        resp = [rng.randrange(3, 20) for _ in range(rng.randint(2, 9))] + [1]
+        samples.append({"prompt_ids": [rng.randrange(3, 20) for _ in range(rng.randint(2, 5))], "response_ids": resp,
+                        "len": len(resp), "truncated": False, "adv": rng.gauss(0, 1), "vllm_logp": [-3.0] * len(resp)})
+    return samples
+
+
+def _update_worker(model_dir, out_path):
+    """Under torchrun, 2 ranks: what update_policy does with NaN, all-masked and normal batches."""
+    device = dapo.init_distributed()
+    torch.manual_seed(0)
+    cfg = dapo.Config(micro_batch_size=2, num_mini_batches=1, lr=1e-3, logprob_chunk=4, max_nonfinite=2)
+    model = dapo.load_policy(cfg, model_dir, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.1)
+    full = lambda: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()   # noqa: E731
+                    for k, v in model.state_dict().items()}
+    calls = []
+    forward = model.forward_logprobs
+    model.forward_logprobs = lambda *a, **k: calls.append(1) or forward(*a, **k)
+    out = {"rank": dapo.rank()}
+    # 1. a NaN on rank 1 only (its samples are 1, 3, 5, 7): both ranks skip, nothing moves
+    w0 = full()
+    samples = _update_samples()
+    if dapo.rank() == 1:
+        samples[1]["adv"] = float("nan")
+    m = dapo.update_policy(model, opt, samples, cfg, 0, device)
+    out["nan"] = {"skipped": m["nonfinite/skipped"], "streak": m["nonfinite/streak"],
+                  "moved": max((w0[k] - v).abs().max().item() for k, v in full().items()), "opt_state": len(opt.state)}
+    # 2. a second NaN in a row reaches --max-nonfinite 2: a one-line error
+    try:
+        dapo.update_policy(model, opt, samples, cfg, 0, device, nonfinite_streak=m["nonfinite/streak"])
+        out["stop"] = None
+    except dapo.DapoError as e:
+        out["stop"] = str(e)
+    # 3. every sample truncated under overlong filtering: no trainable token, no optimizer step
+    masked = _update_samples()
+    for s in masked:
+        s["truncated"] = True
+    m = dapo.update_policy(model, opt, masked, cfg, 0, device)
+    out["masked"] = {"moved": max((w0[k] - v).abs().max().item() for k, v in full().items()),
+                     "opt_state": len(opt.state), "skipped": m["nonfinite/skipped"]}
+    # 4. normal batches: forward passes per rollout step, mu = 1 and mu = 2 (2 micro-batches/mini/rank at mu 1)
+    for mu in (1, 2):
+        calls.clear()
+        dapo.update_policy(model, opt, _update_samples(), dataclasses.replace(cfg, num_mini_batches=mu), 0, device)
+        out[f"passes_mu{mu}"] = len(calls)
+    out["moved_after_normal"] = max((w0[k] - v).abs().max().item() for k, v in full().items())
+    # 5. --grad-clip 0 means no clipping (it used to scale every gradient to zero)
+    seen_max_norm, clip = [], torch.nn.utils.clip_grad_norm_
+    torch.nn.utils.clip_grad_norm_ = lambda params, max_norm, **k: seen_max_norm.append(max_norm) or clip(params, max_norm, **k)
+    w1 = full()
+    m = dapo.update_policy(model, opt, _update_samples(seed=3), dataclasses.replace(cfg, grad_clip=0.0), 0, device)
+    torch.nn.utils.clip_grad_norm_ = clip
+    out["clip0"] = {"max_norm": seen_max_norm, "grad_norm": m["grad_norm"],
+                    "moved": max((w1[k] - v).abs().max().item() for k, v in full().items())}
+    # 6. the first mini-batch's old log-probs from its own forward pass == a separate no-grad pass
+    batch = _update_samples(seed=4)
+    minis, plan = dapo.micro_batches(batch, cfg)
+    opt.zero_grad()
+    dapo.policy_gradient(model, minis[0], plan[0], cfg, 0, device, first=True)
+    g_own = torch.cat([(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).flatten()
+                       for p in model.parameters()])
+    with torch.no_grad():
+        for mb in plan[0]:
+            lp, _ = forward(dapo.collate(mb, 0, device, False), cfg.temperature, cfg.logprob_chunk)
+            for smp, row in zip(mb, lp):
+                smp["old_logp"] = row[:len(smp["response_ids"])].clone()
+    opt.zero_grad()
+    dapo.policy_gradient(model, minis[0], plan[0], cfg, 0, device, first=False)
+    g_sep = torch.cat([(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).flatten()
+                       for p in model.parameters()])
+    out["first_minibatch_grad_diff"] = (g_own - g_sep).abs().max().item()
+    out["grad_scale"] = g_sep.abs().max().item()
+    with open(f"{out_path}.{dapo.rank()}", "w") as f:
+        json.dump(out, f)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def test_update_guards_nan_masked_batches_and_forward_passes(tiny_model, tmp_path):
+    """2 ranks. A NaN on rank 1 only: both ranks skip the step, no weight or optimizer state moves,
+    nonfinite/skipped is 1; a second one in a row stops the run (--max-nonfinite 2) in one line.
+    An all-masked mini-batch does not step AdamW. Forward passes per rollout step and rank (2 micro-
+    batches at mu = 1; 1 per mini-batch at mu = 2): 2 at mu = 1 (no old-log-prob pass), 3 at mu = 2. The first mini-batch's gradient
+    with old log-probs from its own forward pass equals the one with a separate pass."""
+    out = _torchrun(2, "test_dapo.py", "update", tiny_model, str(tmp_path / "out"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    ranks = [json.load(open(tmp_path / f"out.{r}")) for r in (0, 1)]
+    print(json.dumps(ranks))
+    for r in ranks:
+        assert r["nan"] == {"skipped": 1, "streak": 1, "moved": 0.0, "opt_state": 0}
+        assert r["stop"] and "2 optimizer steps in a row had a non-finite loss" in r["stop"] and "\n" not in r["stop"]
+        assert r["masked"] == {"moved": 0.0, "opt_state": 0, "skipped": 0}
+        assert r["passes_mu1"] == 2 and r["passes_mu2"] == 3   # a separate old-log-prob pass made them 4 and 4
+        assert r["moved_after_normal"] > 1e-4
+        assert r["clip0"]["max_norm"] == [float("inf")] and r["clip0"]["grad_norm"] > 0 and r["clip0"]["moved"] > 1e-4
+        assert r["first_minibatch_grad_diff"] == 0.0 and r["grad_scale"] > 1e-4
+
+
+def test_tis_weights_hand_values():
+    """Truncated IS (--tis-cap): exact log-probs give weights 1 and the unchanged loss; injected
+    differences give min(exp(old - rollout), C) and the loss scaled token by token."""
+    logp = torch.tensor([[-1.0, -2.0, -0.5]])
+    old = torch.tensor([[-1.1, -2.0, -0.4]])
+    adv, mask = torch.tensor([1.0]), torch.ones(1, 3)
+    w, st = dapo.tis_weights(old, old.clone(), mask, cap=2.0)
+    assert torch.equal(w, torch.ones(1, 3)) and st["tis/clipped_frac"] == 0
+    plain, _ = dapo.dapo_loss(logp, old, adv, mask)
+    assert dapo.dapo_loss(logp, old, adv, mask, tis_weight=w)[0].item() == plain.item()
+    rollout = old - torch.tensor([[0.5, -0.3, 1.0]])        # old - rollout = 0.5, -0.3, 1.0
+    w, st = dapo.tis_weights(old, rollout, mask, cap=2.0)
+    expect = torch.tensor([[math.exp(0.5), math.exp(-0.3), 2.0]])    # e^1 = 2.72 is capped at 2
+    torch.testing.assert_close(w, expect)
+    assert st["tis/clipped_frac"].item() == pytest.approx(1 / 3)
+    assert st["tis/weight_mean"].item() == pytest.approx(expect.mean().item())
+    ratio = torch.exp(logp - old)[0]                         # 1.105, 1.0, 0.905: none clipped (A > 0)
+    hand = -(ratio * expect[0]).sum().item() / 3
+    assert dapo.dapo_loss(logp, old, adv, mask, tis_weight=w)[0].item() == pytest.approx(hand, rel=1e-6)
+
+
+def test_log_ratio_is_clamped_before_exp():
+    logp, old = torch.tensor([[0.0]]), torch.tensor([[-1000.0]])       # exp(1000) would be inf
+    loss, st = dapo.dapo_loss(logp, old, torch.tensor([-1.0]), torch.ones(1, 1))
+    assert math.isfinite(loss.item()) and loss.item() == pytest.approx(math.exp(20))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--dual-clip", "1"], "--dual-clip 1.0 would zero the gradient"),
+    (["--dual-clip", "0.5"], "--dual-clip 0.5 would zero the gradient"),
+    (["--max-gen-batches", "0"], "--max-gen-batches must be at least 1"),
+    (["--top-p", "0.7"], "--top-p 0.7 in training biases the importance ratio"),
+    (["--tis-cap", "0.5"], "--tis-cap must be 0 (off) or at least 1"),
+    (["--max-nonfinite", "0"], "--max-nonfinite must be at least 1"),
+    (["--grad-clip", "-1"], "--grad-clip must be >= 0"),
+])
+def test_config_values_that_would_train_wrongly_are_refused(flags, message):
+    with pytest.raises(dapo.DapoError, match=re.escape(message)):
+        dapo.check_config(dapo.parse_config(["--model", "m", *flags]))
+    dapo.check_config(dapo.parse_config(["--model", "m", "--dual-clip", "10", "--tis-cap", "2", "--grad-clip", "0"]))
+
+
+def test_help_states_what_zero_means():
+    helps = subprocess.run([sys.executable, "dapo.py", "--help"], cwd=HERE, capture_output=True, text=True,
+                           timeout=120).stdout
+    helps = " ".join(helps.split())
+    assert "0 = no clipping" in helps and "0 = off (the paper)" in helps
+
+
+# --- what each rank receives per step: metadata for all samples, tokens only for its share ----
+
+class _FakeLLM:
+    """Stands in for vLLM in sample_groups: responses of 50-300 tokens with large token ids
+    (as a 150k vocabulary has), drawn from the request's seed, so TP ranks agree."""
+    def generate(self, prompts, params, use_tqdm=False):
+        import random, types
+        outs = []
+        for p in params:
+            g = random.Random(p.seed)
+            outputs = []
+            for _ in range(p.n):
+                ids = [g.randrange(100, 150_000) for _ in range(g.randrange(50, 300))]
+                outputs.append(types.SimpleNamespace(
+                    token_ids=ids, logprobs=[{t: types.SimpleNamespace(logprob=-g.random())} for t in ids],
+                    finish_reason=g.choice(["stop", "stop", "length"])))
+            outs.append(types.SimpleNamespace(outputs=outputs))
+        return outs
+
+
+class _FakeTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return f"so the answer is \\boxed{{{ids[0] % 2}}}"   # right (1) about half of the time
+
+
+def _traffic_worker(out_path):
+    """Under torchrun: two training steps' rollouts at TP 1 and TP 2 (fake engine). Per rank:
+    the bytes received the old way (every rank all-gathers every generated sample) and now."""
+    import pickle
+    dapo.init_distributed()
+    rows = [{"answer": "1"}] * 200
+    prompt_ids = [[7] * (10 + i % 20) for i in range(200)]
+    report = {}
+    for tp in (1, 2):
+        cfg = dapo.Config(prompts_per_step=16, group_size=4, gen_batch_size=12, num_mini_batches=2,
+                          tp_size=tp, max_response_len=300, overlong_cache_len=50, reward_workers=1)
+        sampler = dapo.Sampler(len(rows), seed=0)
+        for step in range(2):
+            held, before = [], 0
+
+            def sample_fn(idx, b):
+                nonlocal before
+                groups, t = dapo.sample_groups(_FakeLLM(), _FakeTokenizer(), rows, prompt_ids, idx, cfg,
+                                               cfg.group_size, 1.0, 1.0, (0, step, b))
+                mine = [dict(s) for g in groups for s in g if "vllm_logp" in s]
+                held.extend(mine)
+                # the old scheme: all_gather_object of every TP leader's full samples
+                old = [{k: s[k] for k in ("pos", "row", "prompt_ids", "response_ids", "vllm_logp", "truncated",
+                                          "text", "correct")} for s in mine]
+                before += dapo.all_gather_objects(old if dapo.rank() % tp == 0 else [])[1]
+                return groups, t
+            kept, seen, m = dapo.collect_batch(sample_fn, sampler, cfg)
+            every = [s for g in seen for s in g]
+            for s, r in zip(every, dapo.shape_rewards(every, cfg).tolist()):
+                s["reward"] = r
+            samples = [s for g in kept for s in g]
+            for s, a in zip(samples, dapo.group_advantages(torch.tensor([s["reward"] for s in samples]), 4).tolist()):
+                s["adv"] = a
+            tokens = dapo.distribute(samples, cfg)
+            trained = [s for s in samples if s["trainer"] == dapo.rank()]
+            share = len(pickle.dumps([(s["response_ids"], s["vllm_logp"]) for s in trained]))
+            # every rank trains on exactly the samples micro_batches gives it, with the generated tokens
+            size = len(samples) // cfg.num_mini_batches
+            want = [s for mm in range(cfg.num_mini_batches) for s in samples[mm * size:(mm + 1) * size][dapo.rank()::dapo.world()]]
+            assert trained == want
+            everyone = [x for part in dapo.all_gather_objects(held)[0] for x in part]
+            for s in trained:
+                match = [x for x in everyone if x["response_ids"] == s["response_ids"] and x["vllm_logp"] == s["vllm_logp"]]
+                assert match and len(s["response_ids"]) == s["len"] and "text" not in s
+            for s in samples:
+                if s["trainer"] != dapo.rank():
+                    assert "vllm_logp" not in s and "response_ids" not in s   # a stub: metadata only
+            # the decisions agree across ranks
+            view = [(s["row"], s["correct"], s["len"], s["truncated"], s["reward"], s["adv"], s["trainer"]) for s in samples]
+            views = dapo.all_gather_objects(view)[0]
+            assert all(v == views[0] for v in views) and m["sync/tp_mismatch"] == 0
+            report[f"tp{tp} step{step}"] = dict(before=before, meta=m["comm/meta_bytes"], tokens=tokens, share=share,
+                                               generated=len(every), trained=len(trained))
+    outs = dapo.all_gather_objects(report)[0]
+    if dapo.rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(outs, f)
+    torch.distributed.destroy_process_group()
+
+
+def test_each_rank_receives_only_its_training_share(tmp_path):
+    out = _torchrun(2, "test_dapo.py", "traffic", str(tmp_path / "traffic.json"))
+    assert out.returncode == 0, out.stderr[-4000:]
+    for r, report in enumerate(json.load(open(tmp_path / "traffic.json"))):
+        for key, x in report.items():
+            after = x["meta"] + x["tokens"]
+            print(f"rank {r} {key}: before {x['before']:,} B, after {after:,} B (metadata {x['meta']:,} B for "
+                  f"{x['generated']} samples + tokens {x['tokens']:,} B); own training share {x['share']:,} B "
+                  f"({x['trained']} samples)")
+            assert x["meta"] < 64 * x["generated"]                  # small metadata
+            assert x["tokens"] <= 1.5 * x["share"]                  # token data: at most its own share
+            assert after < x["before"] / 2
+
+
 # --- scale: collective timeout, host RAM in the plan, run_32b.sh's preflight -------------------
 
 def test_collective_timeout_reaches_the_process_group():
@@ -1163,6 +1418,45 @@ def test_run_32b_preflight(tmp_path):
     assert f"--model {model} " in args and " --dual-clip 10 " in args and " --collective-timeout-min 180" in args
 
 
+# --- the weight sync proves itself ------------------------------------------------------------
+
+def _sync_worker(model_dir):
+    """vLLM started with dummy weights; a stream missing one tensor is refused, naming it; the
+    full stream then gives vLLM's log-probs equal to the trainer's before any generation."""
+    from vllm import SamplingParams
+    cfg = dapo.Config(max_prompt_len=16, max_response_len=8, cpu_kv_cache_gb=0.25)
+    device = dapo.init_distributed()
+    llm = dapo.start_engine(cfg, model_dir, device, dummy_weights=True)
+    model = dapo.load_policy(cfg, model_dir, device)
+    try:
+        dapo.sync_weights(model, llm, skip={"model.layers.1.mlp.down_proj.weight"})
+        print("no error")
+    except dapo.DapoError as e:
+        print("sync error:", e)
+    dapo.sync_weights(model, llm)
+    prompt = [20, 5, 6, 13, 7, 8, 15]
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=6, logprobs=0, seed=0),
+                       use_tqdm=False)[0].outputs[0]
+    ids = list(out.token_ids)
+    batch = dapo.collate([{"prompt_ids": prompt, "response_ids": ids, "truncated": False}], 0, device, False)
+    with torch.no_grad():
+        lp, _ = model.forward_logprobs(batch, 1.0, 1024)
+    vllm_lp = torch.tensor([d[t].logprob for d, t in zip(out.logprobs, ids)])
+    print("step-0 logp diff", (lp[0, :len(ids)] - vllm_lp).abs().max().item())
+    torch.distributed.destroy_process_group()
+
+
+def test_weight_sync_refuses_a_missing_tensor_and_is_exact_at_step_0(tiny_model):
+    out = subprocess.run([sys.executable, "test_dapo.py", "sync", tiny_model], cwd=HERE, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    err = re.search(r"sync error: (.*)", out.stdout).group(1)
+    diff = float(re.search(r"step-0 logp diff (\S+)", out.stdout).group(1))
+    print(f"{err}\nstep-0 |vLLM log-prob - trainer log-prob| max {diff:.1e}")
+    assert "model.layers.1.mlp.down_proj.weight" in err and "unwritten" in err
+    assert diff < 1e-4
+
+
 # --- end to end: the demo, a few steps, through vLLM + FSDP2 + weight sync --------------------
 
 E2E_ARGS = ["--demo-sft-target", "0.1", "--prompts-per-step", "16", "--gen-batch-size", "24",
@@ -1180,7 +1474,8 @@ def _check_run(out_dir, stdout, steps=3):
             assert math.isfinite(v), (k, v)
         for k in ("reward/mean", "acc/mean", "filter/kept_frac", "filter/gen_batches", "clip/low_frac",
                   "clip/high_frac", "entropy", "approx_kl", "len/mean", "len/max", "len/truncated_frac",
-                  "grad_norm", "lr", "time/rollout", "time/reward", "time/update", "time/sync", "tokens/s"):
+                  "grad_norm", "lr", "time/rollout", "time/reward", "time/update", "time/sync", "tokens/s",
+                  "sync/logp_diff_mean", "sync/logp_diff_p99", "nonfinite/skipped"):
             assert k in r, k
     # weight sync is exact: vLLM's log-probs of the sampled tokens equal the trainer's (steps 2, 3
     # are generated by weights that were pushed into vLLM after an optimizer step)
@@ -1220,9 +1515,16 @@ def test_end_to_end_single_process(tmp_path):
 
 
 def test_end_to_end_torchrun_2_ranks(tmp_path):
-    out = _torchrun(2, "dapo.py", *E2E_ARGS, "--steps", "3", "--out-dir", str(tmp_path), timeout=900)
+    """Also the token-budget path through the real update_policy: with a budget of 40 padded tokens
+    the ranks pack different numbers of micro-batches, and the one with fewer runs zero-weight
+    padding micro-batches (this crashed at the end of step 1 before)."""
+    out = _torchrun(2, "dapo.py", *E2E_ARGS, "--steps", "3", "--micro-batch-tokens", "40", "--out-dir", str(tmp_path),
+                    timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     _check_run(str(tmp_path), out.stdout)
+    padding = [json.loads(line)["update/padding_micro_batches"] for line in open(tmp_path / "metrics.jsonl")]
+    print(f"padding micro-batches per step (both ranks): {padding}")
+    assert sum(padding) > 0
 
 
 def test_end_to_end_torchrun_tensor_parallel_2(tmp_path):
@@ -1581,6 +1883,13 @@ def test_interrupted_save_leaves_the_previous_checkpoint(tmp_path):
     assert dapo.latest_checkpoint(str(tmp_path / "none")) is None
 
 
+def test_maj_at_k_votes_by_equivalence_class():
+    assert dapo.majority_correct(["1/2", "0.5", "\\frac12", "3", "3"], "1/2") == 1.0   # raw strings: "3" won
+    assert dapo.majority_correct(["3", "3", "1/2", None, None], "1/2") == 0.0
+    assert dapo.majority_correct([None, None], "1") == 0.0
+    assert dapo.majority_correct(["7", "2", "7.0"], "7") == 1.0
+
+
 def test_pass_at_k_unbiased():
     assert dapo.pass_at_k(4, 0, 1) == 0 and dapo.pass_at_k(4, 4, 1) == 1
     assert dapo.pass_at_k(4, 1, 1) == pytest.approx(0.25)
@@ -1592,7 +1901,13 @@ if __name__ == "__main__":  # helpers launched by the tests above (under torchru
         _grad_worker(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:]))
     elif sys.argv[1] == "load":
         _load_worker(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "sync":
+        _sync_worker(sys.argv[2])
+    elif sys.argv[1] == "update":
+        _update_worker(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "mixed_precision":
         _mixed_precision_worker()
     elif sys.argv[1] == "export":
         _export_worker(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "traffic":
+        _traffic_worker(sys.argv[2])
