@@ -163,6 +163,11 @@ def world():
     return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
 
+def _compute_device():
+    """This rank's accelerator (cuda:LOCAL_RANK), or the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def print0(*a, **k):
     if rank() == 0:
         print(*a, **k, flush=True)
@@ -191,7 +196,7 @@ def init_distributed(timeout_min=Config.collective_timeout_min):
         backend = "gloo"
     # torch's default for a "cpu:gloo,cuda:nccl" group is 30 min, too short for a long rollout tail
     torch.distributed.init_process_group(backend, timeout=timedelta(minutes=timeout_min))
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return _compute_device()
 
 
 def all_gather_objects(obj):
@@ -732,11 +737,15 @@ def load_policy(cfg, path, device, weights=True):
     weights=False leaves the parameters unset, for load_checkpoint to fill."""
     from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
                                         register_fsdp_forward_method)
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32,
                                                  attn_implementation="sdpa")
     model.eval()  # as from_pretrained leaves it
+    try:  # from_config alone would drop generation_config.json (its eos_token_id list is vLLM's stop set)
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    except OSError:
+        pass
     model.config.use_cache = False
     if cfg.grad_checkpointing:  # only each layer's input is kept; the rest is recomputed in backward
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -816,14 +825,13 @@ def sync_weights(model, llm, skip=()):
     parameter must be written: after dummy start-up or a level-2 sleep a missing one is garbage.
     skip: names left out of the stream (tests only)."""
     engine = llm.llm_engine.model_config
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
     def stream():
         for name, t in model.state_dict().items():
             if name in skip:
                 continue
             # cast (and, offloaded, move) the local shard first: the gather then moves half the bytes
-            t = t.to(device=device, dtype=engine.dtype)
+            t = t.to(device=_compute_device(), dtype=engine.dtype)
             yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t)  # PLUMBING: gathers FSDP shards
 
     missing = llm.collective_rpc(_reload_and_list_missing, kwargs={"weights_iterator": stream()})[0]
@@ -856,7 +864,8 @@ def save_hf(model, tokenizer, path, dtype=torch.bfloat16, shard_gb=5.0):
     for i, (names, file) in enumerate(zip(shards, files)):
         out = {}
         for name in names:
-            t = sd[name].to(dtype)  # cast the local shard before gathering: half the traffic in bf16
+            # cast (and, offloaded, move to the GPU) the local shard before gathering: half the traffic
+            t = sd[name].to(device=_compute_device(), dtype=dtype)
             t = t.full_tensor() if hasattr(t, "full_tensor") else t
             if i % world() == rank():
                 out[name] = t.cpu()

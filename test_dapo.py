@@ -982,7 +982,12 @@ def test_hf_export_is_sharded_and_loads_in_transformers(tiny_model, tmp_path):
     an index naming every tensor once (a tied lm_head is left out), bf16 by default; transformers
     loads it, and its weights are the trainer's cast to the export dtype, exactly."""
     from transformers import AutoModelForCausalLM
-    out = _torchrun(2, "test_dapo.py", "export", tiny_model, str(tmp_path))
+    src = tmp_path / "src"   # a generation config of its own, as instruct models have (two EOS ids)
+    shutil.copytree(tiny_model, src)
+    gen = json.load(open(src / "generation_config.json"))
+    gen["eos_token_id"] = [1, 2]
+    json.dump(gen, open(src / "generation_config.json", "w"))
+    out = _torchrun(2, "test_dapo.py", "export", str(src), str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
     trainer = torch.load(tmp_path / "trainer.pt")
     for dtype in (torch.bfloat16, torch.float32):
@@ -994,6 +999,7 @@ def test_hf_export_is_sharded_and_loads_in_transformers(tiny_model, tmp_path):
         for f in files:   # within the limit (+ the safetensors header), unless one tensor alone exceeds it
             assert os.path.getsize(d / f) < 200e3 + 10e3 or list(index["weight_map"].values()).count(f) == 1
         assert json.load(open(d / "config.json"))["dtype"] == str(dtype)[6:]
+        assert json.load(open(d / "generation_config.json"))["eos_token_id"] == [1, 2]   # vLLM's stop set
         m = AutoModelForCausalLM.from_pretrained(d)
         assert m.dtype == dtype and m.lm_head.weight is m.model.embed_tokens.weight
         sd = m.state_dict()
