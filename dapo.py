@@ -27,6 +27,7 @@ weight sync -> rollout -> update -> the loop (Algorithm 1).
 Comment tags: `# DAPO (...)` marks a paper technique, `# PLUMBING` marks FSDP/vLLM details.
 """
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -81,7 +82,7 @@ class Config:
     max_nonfinite: int = 10          # stop after this many optimizer steps in a row skipped for a NaN/inf loss or gradient
     num_mini_batches: int = 16       # μ: gradient updates per rollout step
     micro_batch_size: int = 4        # sequences per forward/backward on one rank
-    micro_batch_tokens: int = 0      # if > 0: form micro-batches by this budget of padded tokens instead
+    micro_batch_tokens: int = 0      # if > 0: form micro-batches by this budget of real (prompt + response) tokens instead
     logprob_chunk: int = 1024        # tokens per chunk of the memory-lean log-prob path
     grad_checkpointing: bool = False  # recompute each decoder layer's activations in backward
     cpu_offload: bool = False        # CUDA only: keep sharded params, grads and optimizer state in CPU RAM
@@ -890,9 +891,31 @@ def save_hf(model, tokenizer, path, dtype=torch.bfloat16, shard_gb=5.0):
 # Rollout: generate with vLLM, score with reward.py, then dynamic sampling
 
 def request_seed(*key):
-    """Per-request sampling seed from (seed, step, batch, position, prompt): rollouts reproduce
-    exactly (resume included), TP ranks agree, and requests get independent seeds."""
+    """A sampling seed from a key, e.g. (seed, step, generation batch, DP group)."""
     return random.Random("-".join(map(str, key))).getrandbits(31)
+
+
+@contextlib.contextmanager
+def seeded_engine(llm, seed):
+    """One seed per generate call instead of one per request: the same (seed, step, batch, DP
+    group) gives the same samples, so a resumed run repeats a straight one bit for bit and the
+    TP ranks of one group agree. vLLM-CPU's per-request generators cost 6-8% of generation
+    (one Python draw per sequence and token, tools/bench_step.py --seeds); unseeded requests draw their noise from torch's
+    global generator instead, and vLLM-GPU's unseeded requests take their seeds from NumPy's.
+    The engine runs in this process (external_launcher), so seeding both before the call fixes
+    every draw. The noise a sequence gets then depends on the schedule, so the prefix cache,
+    which shortens prefills, is emptied first: the schedule depends on this call alone. The
+    trainer's own RNG states are restored afterwards."""
+    import numpy as np
+    state = np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+            llm.reset_prefix_cache()
+            torch.manual_seed(seed)
+            np.random.seed(seed)
+            yield
+    finally:
+        np.random.set_state(state)
 
 
 def sample_groups(llm, tokenizer, rows, prompt_ids, idx, cfg, n, temperature, top_p, key, answers=False):
@@ -906,10 +929,10 @@ def sample_groups(llm, tokenizer, rows, prompt_ids, idx, cfg, n, temperature, to
     from vllm import SamplingParams
     tp, dp_rank, dp_size = cfg.tp_size, rank() // cfg.tp_size, world() // cfg.tp_size
     mine = list(range(dp_rank, len(idx), dp_size))  # TP ranks of one group share prompts and seeds
-    params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=cfg.max_response_len,
-                             logprobs=0, seed=request_seed(*key, j, idx[j])) for j in mine]
+    params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=cfg.max_response_len, logprobs=0)
     t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": prompt_ids[idx[j]]} for j in mine], params, use_tqdm=False) if mine else []
+    with seeded_engine(llm, request_seed(*key, "dp", dp_rank)):  # one seed per call and DP group
+        outs = llm.generate([{"prompt_token_ids": prompt_ids[idx[j]]} for j in mine], params, use_tqdm=False) if mine else []
     t1 = time.perf_counter()
     local = []
     for j, out in zip(mine, outs):
@@ -1018,49 +1041,79 @@ def collect_batch(sample_fn, sampler, cfg):
 # -----------------------------------------------------------------------------------------
 # Update: old log-probs, then μ gradient steps with the exact token-level normaliser
 
+def first_fit_decreasing(lengths, cap):
+    """Bin packing: index lists of items (longest first) whose lengths add up to at most cap;
+    an item longer than cap gets a bin of its own."""
+    bins, room = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for b, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(cap - lengths[i])
+    return bins
+
+
 def collate(samples, pad_id, device, overlong_filtering):
-    """Left-padded prompts, right-padded responses, so every response starts at column P.
-    mask covers each response token including EOS (never derived from pad ids)."""
-    P = max(len(s["prompt_ids"]) for s in samples)
-    R = max(len(s["response_ids"]) for s in samples)
-    ids = torch.full((len(samples), P + R), pad_id, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    for i, s in enumerate(samples):
-        p, r = s["prompt_ids"], s["response_ids"]
-        ids[i, P - len(p):P] = torch.tensor(p)
-        ids[i, P:P + len(r)] = torch.tensor(r)
-        attn[i, P - len(p):P + len(r)] = 1
-    mask = attn[:, P:].clone().float()
+    """Packed rows, no compute on padding: each sequence (prompt + response) is bin-packed into
+    rows no longer than the longest one, so sdpa's attention stays quadratic in one sequence,
+    not in the whole pack. position_ids restart at 0 per sequence (as vLLM numbers them); with
+    attention_mask=None transformers reads the sequence boundaries from them, so attention
+    never crosses sequences. A row's unused tail is a pad sequence of its own.
+    "index": the flat positions whose hidden states predict the response tokens "targets";
+    "slots": where each lands in the (B, R) layout of the loss (sample i is row i there,
+    responses left-aligned). mask (B, R) covers each response token including EOS (never derived from pad ids)."""
+    lens = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
+    L = max(lens)
+    rows = first_fit_decreasing(lens, L)
+    ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
+    pos = torch.zeros_like(ids)
+    start = [0] * len(samples)  # flat position of the hidden state predicting sample i's first response token
+    for r, row in enumerate(rows):
+        at = 0
+        for i in row:
+            s = samples[i]
+            ids[r, at:at + lens[i]] = torch.tensor(list(s["prompt_ids"]) + list(s["response_ids"]))
+            pos[r, at:at + lens[i]] = torch.arange(lens[i])
+            start[i] = r * L + at + len(s["prompt_ids"]) - 1
+            at += lens[i]
+        pos[r, at:] = torch.arange(L - at)
+    n = [len(s["response_ids"]) for s in samples]
+    R = max(n)
+    index = torch.cat([torch.arange(k) + st for k, st in zip(n, start)])
+    slots = (torch.repeat_interleave(torch.arange(len(samples)), torch.tensor(n)), torch.cat([torch.arange(k) for k in n]))
+    mask = (torch.arange(R) < torch.tensor(n)[:, None]).float()
     mask[torch.tensor([s.get("dummy", False) for s in samples])] = 0.0  # padding micro-batches (see micro_batches)
     if overlong_filtering:  # DAPO (overlong filtering, Sec. 3.4): truncated samples teach nothing
         mask[torch.tensor([s["truncated"] for s in samples])] = 0.0
-    return {"input_ids": ids.to(device), "attention_mask": attn.to(device),
-            "position_ids": (attn.cumsum(1) - 1).clamp(min=0).to(device),  # as vLLM numbers them
-            "targets": ids[:, P:].to(device), "mask": mask.to(device)}
+    targets = torch.cat([torch.tensor(list(s["response_ids"]), dtype=torch.long) for s in samples])
+    return {"input_ids": ids.to(device), "position_ids": pos.to(device), "index": index.to(device),
+            "targets": targets.to(device), "slots": tuple(t.to(device) for t in slots), "mask": mask.to(device)}
 
 
 def forward_logprobs(model, batch, temperature, chunk):
     """(B, R) log-probs and entropies of the response tokens at the sampling temperature: the
-    decoder, then the output head fused into the chunked fp32 log-prob path (no logits tensor).
+    decoder on packed rows, then the output head fused into the chunked fp32 log-prob path, on
+    the response-predicting positions only (no logits tensor, no head on prompts or padding).
     load_policy registers it as an FSDP forward method, model.forward_logprobs(batch, ...)."""
-    R = batch["targets"].shape[1]
-    hidden = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                         position_ids=batch["position_ids"]).last_hidden_state
-    return token_logprobs(hidden[:, -R - 1:-1], model.lm_head.weight, batch["targets"], temperature, chunk)
+    # use_cache=False: transformers skips packed-row detection whenever a KV cache exists, and
+    # attention would then silently leak across the sequences of a row
+    hidden = model.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=None,
+                         use_cache=False).last_hidden_state
+    hidden = hidden.flatten(0, 1)[batch["index"]].unsqueeze(0)  # (1, N, h): one row of the N response tokens
+    lp, ent = token_logprobs(hidden, model.lm_head.weight, batch["targets"].unsqueeze(0), temperature, chunk)
+    out = lp.new_zeros(batch["mask"].shape)  # back to (B, R); index_put out of place keeps autograd
+    return out.index_put(batch["slots"], lp[0]), out.index_put(batch["slots"], ent[0])
 
 
 def pack_by_tokens(samples, budget):
-    """Longest first, fill each micro-batch while its padded size, sequences x (longest prompt
-    + longest response) as collate() lays it out, stays within the budget."""
-    out, cur, P, R = [], [], 0, 0
-    for s in sorted(samples, key=lambda s: -(len(s["prompt_ids"]) + s["len"])):
-        p, r = len(s["prompt_ids"]), s["len"]
-        if cur and (len(cur) + 1) * (max(P, p) + max(R, r)) > budget:
-            out.append(cur)
-            cur, P, R = [], 0, 0
-        cur.append(s)
-        P, R = max(P, p), max(R, r)
-    return out + ([cur] if cur else [])
+    """Micro-batches of at most `budget` real tokens (prompts + responses), first-fit decreasing:
+    packed rows spend nothing on padding but row tails, so the budget counts what is computed."""
+    bins = first_fit_decreasing([len(s["prompt_ids"]) + s["len"] for s in samples], budget)
+    return [[samples[i] for i in b] for b in bins]
 
 
 def micro_batches(samples, cfg):

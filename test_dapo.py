@@ -423,9 +423,10 @@ def _toy_samples():
 def test_mask_excludes_padding_includes_eos():
     b = dapo.collate(_toy_samples(), pad_id=1, device="cpu", overlong_filtering=False)  # pad == EOS on purpose
     assert b["mask"].tolist() == [[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
-    assert b["targets"][0, 2].item() == 1 and b["targets"][1, 1].item() == 1   # EOS is trained on
-    assert b["input_ids"][1].tolist()[:3] == [1, 1, 5]                        # prompts are left-padded
-    assert b["position_ids"][1].tolist()[2:5] == [0, 1, 2]                   # positions as vLLM counts them
+    targets = torch.zeros(3, 4, dtype=torch.long).index_put(b["slots"], b["targets"])   # in the loss's (B, R) layout
+    assert targets[0, 2].item() == 1 and targets[1, 1].item() == 1           # EOS is trained on
+    assert b["input_ids"].tolist() == [[5, 6, 7, 8, 9, 1], [5, 6, 8, 9, 9, 9], [5, 8, 1, 1, 1, 1]]   # packed rows, pad at the end
+    assert b["position_ids"][2].tolist() == [0, 1, 2, 0, 1, 2]              # positions as vLLM counts them; the tail apart
     b = dapo.collate(_toy_samples(), pad_id=0, device="cpu", overlong_filtering=True)
     assert b["mask"][2].sum() == 0                                            # overlong filtering
 
@@ -517,8 +518,8 @@ def _mixed_precision_worker():
     model.forward_logprobs = dapo.types.MethodType(dapo.forward_logprobs, model)
     register_fsdp_forward_method(model, "forward_logprobs")
     ids = torch.randint(0, 512, (2, 24))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "targets": ids[:, 12:],
-             "position_ids": torch.arange(24).expand(2, 24)}
+    batch = dapo.collate([{"prompt_ids": r[:12].tolist(), "response_ids": r[12:].tolist(), "truncated": False}
+                          for r in ids], 0, "cpu", False)   # two rows of one sequence each
     seen = {}
     hook = model.model.norm.register_forward_hook(lambda m, i, out: seen.update(hidden=out))
     lp, _ = model.forward_logprobs(batch, 1.0, 1024)
@@ -633,7 +634,7 @@ def test_dynamic_sampling_gives_up_with_a_clear_error():
     assert len(calls) == 3
 
 
-def test_pack_by_tokens_respects_the_padded_budget():
+def test_pack_by_tokens_respects_the_budget_of_real_tokens():
     import random
     rng = random.Random(0)
     samples = [{"prompt_ids": [0] * rng.randint(1, 9), "response_ids": [0] * rng.randint(1, 30)} for _ in range(50)]
@@ -642,8 +643,9 @@ def test_pack_by_tokens_respects_the_padded_budget():
     packs = dapo.pack_by_tokens(samples, 64)
     assert sorted(map(id, (s for p in packs for s in p))) == sorted(map(id, samples))   # each sample once
     for p in packs:
-        padded = dapo.collate(p, 0, "cpu", False)["input_ids"].numel()
-        assert padded <= 64 or len(p) == 1
+        real = sum(len(s["prompt_ids"]) + s["len"] for s in p)   # packed rows compute nothing else
+        assert real <= 64 or len(p) == 1
+    assert len(packs) <= sum(len(s["prompt_ids"]) + s["len"] for s in samples) // 64 + 2   # first-fit decreasing is tight
 
 
 def test_sampler_is_a_reproducible_endless_shuffle():
@@ -736,15 +738,19 @@ def test_flags_are_generated_from_the_config():
 
 # --- distributed exactness: 2 ranks x 2 micro-batches == 1 process x 1 batch ------------------
 
-def _grad_worker(model_dir, out_path, micro_batch_size, micro_batch_tokens=0, grad_checkpointing=0):
-    """Run under torchrun (or alone): the gradient of one mini-batch through FSDP2."""
+def _grad_worker(model_dir, out_path, micro_batch_size, micro_batch_tokens=0, grad_checkpointing=0, padded=0):
+    """Run under torchrun (or alone): the gradient of one mini-batch through FSDP2.
+    padded=1: through the padded layout of _padded_collate (the reference for packed rows)."""
     import random
+    if padded:
+        dapo.collate, dapo.forward_logprobs = _padded_collate, _padded_forward_logprobs
     cfg = dapo.Config(micro_batch_size=micro_batch_size, num_mini_batches=1, logprob_chunk=3,
                       overlong_filtering=True, micro_batch_tokens=micro_batch_tokens,
                       grad_checkpointing=bool(grad_checkpointing))
     device = dapo.init_distributed()
     torch.manual_seed(0)
     model = dapo.load_policy(cfg, model_dir, device)
+    print("use_cache", model.config.use_cache)
     rng = random.Random(0)
     samples = []
     for i in range(8):   # unequal lengths (rank 0's share long, rank 1's short), one truncated sample
@@ -1463,6 +1469,142 @@ def test_weight_sync_refuses_a_missing_tensor_and_is_exact_at_step_0(tiny_model)
     assert diff < 1e-4
 
 
+# --- issue 14: packed rows (no compute on padding), one sampling seed per generate call -------
+
+def _padded_collate(samples, pad_id, device, overlong_filtering):
+    """The layout before issue 14, kept here as the reference: left-padded prompts, right-padded
+    responses, an attention mask and position_ids = cumsum - 1 (as vLLM numbers them)."""
+    P = max(len(s["prompt_ids"]) for s in samples)
+    R = max(len(s["response_ids"]) for s in samples)
+    ids = torch.full((len(samples), P + R), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, s in enumerate(samples):
+        p, r = s["prompt_ids"], s["response_ids"]
+        ids[i, P - len(p):P] = torch.tensor(p)
+        ids[i, P:P + len(r)] = torch.tensor(r)
+        attn[i, P - len(p):P + len(r)] = 1
+    mask = attn[:, P:].clone().float()
+    mask[torch.tensor([s.get("dummy", False) for s in samples])] = 0.0
+    if overlong_filtering:
+        mask[torch.tensor([s["truncated"] for s in samples])] = 0.0
+    return {"input_ids": ids.to(device), "attention_mask": attn.to(device),
+            "position_ids": (attn.cumsum(1) - 1).clamp(min=0).to(device), "targets": ids[:, P:].to(device),
+            "mask": mask.to(device)}
+
+
+def _padded_forward_logprobs(model, batch, temperature, chunk):
+    R = batch["targets"].shape[1]
+    hidden = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                         position_ids=batch["position_ids"], use_cache=False).last_hidden_state
+    return dapo.token_logprobs(hidden[:, -R - 1:-1], model.lm_head.weight, batch["targets"], temperature, chunk)
+
+
+def _ragged_samples(n=9, seed=0):
+    import random
+    rng = random.Random(seed)
+    return [{"prompt_ids": [rng.randrange(3, 30) for _ in range(rng.randint(1, 6))],
+             "response_ids": [rng.randrange(3, 30) for _ in range(rng.randint(1, 15))] + [1], "truncated": False}
+            for _ in range(n)]
+
+
+def test_packed_rows_never_attend_across_sequences():
+    """Each sequence's log-probs in packed rows equal those of the sequence alone (the padded
+    reference, and a row of its own), whatever shares its row. The model here keeps
+    config.use_cache=True, as a fresh HF model does: with a KV cache transformers skips packed-row
+    detection and attention leaks across sequences (0.78 nats here), so forward_logprobs must
+    turn the cache off itself."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=2, head_dim=64,
+                                         attn_implementation="sdpa")).eval()
+    assert model.config.use_cache
+    samples = _ragged_samples()
+    b = dapo.collate(samples, 0, "cpu", False)
+    longest = max(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
+    real = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
+    assert b["input_ids"].shape[1] == longest and b["input_ids"].shape[0] < len(samples)   # rows are shared
+    assert "attention_mask" not in b and b["position_ids"][0, 0] == 0
+    with torch.no_grad():
+        lp, ent = dapo.forward_logprobs(model, b, 0.7, 5)
+        ref, ref_ent = _padded_forward_logprobs(model, _padded_collate(samples, 0, "cpu", False), 0.7, 5)
+        alone = [dapo.forward_logprobs(model, dapo.collate([s], 0, "cpu", False), 0.7, 5)[0][0] for s in samples]
+    mask = b["mask"].bool()
+    worst_ref = (lp - ref)[mask].abs().max().item()
+    worst_alone = max((lp[i, :len(a)] - a).abs().max().item() for i, a in enumerate(alone))
+    print(f"{len(samples)} sequences ({real} tokens) in {b['input_ids'].shape[0]} rows of {longest} "
+          f"(padded layout: {_padded_collate(samples, 0, 'cpu', False)['input_ids'].numel()} tokens); "
+          f"max |packed - padded| {worst_ref:.1e}, |packed - alone| {worst_alone:.1e}")
+    assert worst_ref < 1e-5 and worst_alone < 1e-5
+    assert (ent - ref_ent)[mask].abs().max() < 1e-5 and lp[~mask].abs().sum() == 0
+
+
+def test_collate_index_points_at_the_token_before_each_target():
+    samples = _ragged_samples(40, seed=1)
+    b = dapo.collate(samples, 0, "cpu", False)
+    pos, L = b["position_ids"], b["input_ids"].shape[1]
+    assert L == max(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
+    # every response token is predicted from the position just before it, in its own sequence
+    flat, fpos = b["input_ids"].flatten(), pos.flatten()
+    assert torch.equal(flat[b["index"] + 1], b["targets"])
+    assert sorted(b["index"].tolist()) == b["index"].unique().tolist() and (fpos[b["index"] + 1] > 0).all()
+
+
+def test_packed_gradient_equals_the_padded_path(tiny_model, tmp_path):
+    """The gradient of one mini-batch through FSDP2 with packed rows equals the padded layout's
+    (the reference above, run through the same policy_gradient), in one process and on 2 ranks
+    with a budget of real tokens; the policy has the KV cache off."""
+    padded, out = _grads(tiny_model, str(tmp_path / "padded.pt"), 8, 0, 0, 1)
+    assert "use_cache False" in out
+    packed, _ = _grads(tiny_model, str(tmp_path / "packed.pt"), 8)
+    ranks, _ = _grads(tiny_model, str(tmp_path / "ranks.pt"), 8, 24, 0, nproc=2)
+    scale = max(g.abs().max().item() for g in padded.values())
+    for name, g in (("packed, 1 process", packed), ("packed, 2 ranks, 24-token budget", ranks)):
+        worst = max((padded[k] - g[k]).abs().max().item() for k in padded)
+        print(f"{name}: max |grad - padded grad| = {worst:.2e} (largest entry {scale:.2e})")
+        assert worst < 1e-5
+    assert scale > 1e-3
+
+
+def _seed_worker(model_dir):
+    """One seed per generate call: the same seed gives the same samples whatever ran before,
+    another seed (another DP group) different ones, and the trainer's RNG is left as it was."""
+    import numpy as np
+    from vllm import SamplingParams
+    cfg = dapo.Config(max_prompt_len=16, max_response_len=8, cpu_kv_cache_gb=0.25)
+    device = dapo.init_distributed()
+    llm = dapo.start_engine(cfg, model_dir, device)
+    prompts = [{"prompt_token_ids": [20, 5, 6, 13, 7, 8, 15][:k]} for k in range(2, 8)]
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=8, logprobs=0)
+
+    def run(seed):
+        with dapo.seeded_engine(llm, seed):
+            return [list(o.token_ids) for r in llm.generate(prompts, params, use_tqdm=False) for o in r.outputs]
+
+    torch.manual_seed(7)
+    np.random.seed(7)
+    before = (torch.rand(1).item(), np.random.rand())
+    torch.manual_seed(7)
+    np.random.seed(7)
+    a = run(dapo.request_seed(0, 3, 0, "dp", 0))
+    after = (torch.rand(1).item(), np.random.rand())
+    llm.generate(prompts[:2], params, use_tqdm=False)   # an unseeded call in between
+    b = run(dapo.request_seed(0, 3, 0, "dp", 0))
+    c = run(dapo.request_seed(0, 3, 0, "dp", 1))
+    print(json.dumps({"same": a == b, "other_group_differs": a != c, "rng_untouched": before == after,
+                      "distinct_within_call": len({tuple(x) for x in a}) / len(a)}))
+    torch.distributed.destroy_process_group()
+
+
+def test_one_seed_per_generate_call_reproduces(tiny_model):
+    out = subprocess.run([sys.executable, "test_dapo.py", "seed", tiny_model], cwd=HERE, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    print(r)
+    assert r["same"] and r["other_group_differs"] and r["rng_untouched"] and r["distinct_within_call"] > 0.5
+
+
 # --- end to end: the demo, a few steps, through vLLM + FSDP2 + weight sync --------------------
 
 E2E_ARGS = ["--demo-sft-target", "0.1", "--prompts-per-step", "16", "--gen-batch-size", "24",
@@ -1521,7 +1663,7 @@ def test_end_to_end_single_process(tmp_path):
 
 
 def test_end_to_end_torchrun_2_ranks(tmp_path):
-    """Also the token-budget path through the real update_policy: with a budget of 40 padded tokens
+    """Also the token-budget path through the real update_policy: with a budget of 40 real tokens
     the ranks pack different numbers of micro-batches, and the one with fewer runs zero-weight
     padding micro-batches (this crashed at the end of step 1 before)."""
     out = _torchrun(2, "dapo.py", *E2E_ARGS, "--steps", "3", "--micro-batch-tokens", "40", "--out-dir", str(tmp_path),
@@ -1909,6 +2051,8 @@ if __name__ == "__main__":  # helpers launched by the tests above (under torchru
         _load_worker(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "sync":
         _sync_worker(sys.argv[2])
+    elif sys.argv[1] == "seed":
+        _seed_worker(sys.argv[2])
     elif sys.argv[1] == "update":
         _update_worker(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "mixed_precision":

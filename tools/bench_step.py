@@ -1,0 +1,160 @@
+"""Phase breakdown of dapo.py's rollout step on a fixed synthetic workload (issue 14).
+
+    python tools/bench_step.py                    # 32 prompts x 8 responses, max 256 tokens, mu = 1
+    python tools/bench_step.py --seeds            # generation only: unseeded / per-request seeds / per call
+
+A random-init tiny Qwen2 (the demo's shape, vocabulary 128, fp32): EOS is one token in 128, so
+responses average ~110 tokens at a maximum of 256, ragged as DAPO's are. Dynamic sampling off,
+one gradient update per rollout step (--num-mini-batches 1), the demo's micro-batch size (256
+sequences) unless --micro-batch-tokens is given. Prints the medians over --steps steps after
+--warmup steps: generation, reward, update, sync, the whole step, and the update per real
+(prompt + response) token. It only calls dapo.py's public functions, so the same script runs
+on an older checkout (copy it there) for before/after ratios in one session.
+"""
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.getcwd())  # the dapo.py of the checkout it is run from
+import torch  # noqa: E402
+
+import dapo  # noqa: E402
+
+
+def build_model(path, vocab=128, max_len=512, seed=0):
+    """The demo's tokenizer, widened to `vocab` tokens, and a random-init Qwen2 of the demo's shape."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    specials = ["<|pad|>", "<|endoftext|>", "<|unk|>"]
+    chars = list("0123456789+-=:.") + ["Ġ", "Ċ"]
+    extra = [c for c in pre_tokenizers.ByteLevel.alphabet() if c not in chars]
+    chars += sorted(extra)[:vocab - len(specials) - len(chars) - 3]  # 3 added tokens below
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(specials + chars)}, merges=[], unk_token="<|unk|>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_tokens([dapo.DAPO_HEAD, dapo.DAPO_TAIL, "Answer:"])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>",
+                                        unk_token="<|unk|>")
+    assert len(tokenizer) == vocab, len(tokenizer)
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=vocab, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=max_len,
+                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.eos_token_id, dtype="float32")
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--max-response-len", type=int, default=256)
+    p.add_argument("--micro-batch-size", type=int, default=256)
+    p.add_argument("--micro-batch-tokens", type=int, default=0)
+    p.add_argument("--seeds", action="store_true", help="time generation alone under three seeding schemes")
+    a = p.parse_args()
+    from transformers import AutoTokenizer
+    path = os.path.join(tempfile.mkdtemp(prefix="bench_step_"), "model")
+    build_model(path, max_len=16 + a.max_response_len)
+    cfg = dapo.Config(model=path, prompts_per_step=a.prompts, group_size=a.group_size, gen_batch_size=a.prompts,
+                      dynamic_sampling=False, max_prompt_len=16, max_response_len=a.max_response_len,
+                      overlong_cache_len=a.max_response_len // 4, num_mini_batches=1,
+                      micro_batch_size=a.micro_batch_size, micro_batch_tokens=a.micro_batch_tokens, lr=1e-6,
+                      warmup_steps=1)
+    device = dapo.init_distributed()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    rows, _ = dapo.demo_task(cfg.seed)
+    prompt_ids = [dapo.encode_prompt(tokenizer, r["prompt"]) for r in rows]
+    llm = dapo.start_engine(cfg, path, device)  # (no dummy weights: older checkouts lack them)
+    torch.manual_seed(cfg.seed)
+    model = dapo.load_policy(cfg, path, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    dapo.sync_weights(model, llm)
+    sampler = dapo.Sampler(len(rows), cfg.seed)
+    pad_id = tokenizer.pad_token_id
+    if a.seeds:
+        return bench_seeds(a, cfg, llm, sampler, prompt_ids)
+    rec = []
+    for step in range(a.warmup + a.steps):
+        t0 = time.perf_counter()
+        groups, t = dapo.sample_groups(llm, tokenizer, rows, prompt_ids, sampler.take(a.prompts), cfg, cfg.group_size,
+                                       cfg.temperature, cfg.top_p, (cfg.seed, step, 0))
+        samples = [s for g in groups for s in g]
+        rewards = dapo.shape_rewards(samples, cfg)
+        for s, r, adv in zip(samples, rewards.tolist(), dapo.group_advantages(rewards, cfg.group_size).tolist()):
+            s.update(reward=r, adv=adv)
+        if hasattr(dapo, "distribute"):  # older checkouts send every sample's tokens to every rank
+            dapo.distribute(samples, cfg)
+        t1 = time.perf_counter()
+        dapo.update_policy(model, opt, samples, cfg, pad_id, device)
+        t2 = time.perf_counter()
+        dapo.sync_weights(model, llm)
+        t3 = time.perf_counter()
+        lens = [s["len"] if "len" in s else len(s["response_ids"]) for s in samples]  # older checkouts: no "len"
+        tokens = sum(len(s["prompt_ids"]) for s in samples) + sum(lens)
+        r = {"generation": t["time/rollout"], "reward": t["time/reward"], "update": t2 - t1, "sync": t3 - t2,
+             "step": t3 - t0, "update_per_token": (t2 - t1) / tokens,
+             "mean_len": sum(lens) / len(samples), "tokens": tokens}
+        dapo.print0(f"step {step}{' (warm-up)' if step < a.warmup else ''}: " +
+                    "  ".join(f"{k} {v * 1e3:.0f} ms" for k, v in r.items() if k in ("generation", "update", "step")) +
+                    f"  mean response {r['mean_len']:.1f}")
+        if step >= a.warmup:
+            rec.append(r)
+    med = {k: statistics.median(x[k] for x in rec) for k in rec[0]}
+    dapo.print0(f"median of {a.steps} steps ({a.prompts} prompts x {a.group_size}, max {a.max_response_len} tokens, "
+                f"mean response {med['mean_len']:.1f}, {med['tokens']:.0f} real tokens per step):")
+    for k in ("generation", "reward", "update", "sync", "step"):
+        dapo.print0(f"  {k:<11} {med[k] * 1e3:8.0f} ms")
+    dapo.print0(f"  update per real token {med['update_per_token'] * 1e6:8.1f} us")
+
+
+def bench_seeds(a, cfg, llm, sampler, prompt_ids):
+    """The same generate call, three ways: unseeded, one seed per request (as dapo.py did before
+    issue 14), and one seed per call through the engine's global generators (seeded_engine).
+    Also checks that two per-call runs with one seed give the same tokens."""
+    from vllm import SamplingParams
+    idx = sampler.take(a.prompts)
+    prompts = [{"prompt_token_ids": prompt_ids[i]} for i in idx]
+    # ignore_eos: every sequence runs to max_tokens, so the three ways do exactly the same work
+    kw = dict(n=cfg.group_size, temperature=1.0, max_tokens=cfg.max_response_len, logprobs=0, ignore_eos=True)
+
+    def unseeded():
+        return llm.generate(prompts, SamplingParams(**kw), use_tqdm=False)
+
+    def per_request():
+        return llm.generate(prompts, [SamplingParams(**kw, seed=1000 + j) for j in range(len(prompts))], use_tqdm=False)
+
+    def per_call():
+        with dapo.seeded_engine(llm, 1234):
+            return llm.generate(prompts, SamplingParams(**kw), use_tqdm=False)
+
+    times = {f.__name__: [] for f in (unseeded, per_request, per_call)}
+    lens = {}
+    for rep in range(a.warmup + a.steps):
+        for f in (unseeded, per_request, per_call):  # interleaved: drift hits all three alike
+            t = time.perf_counter()
+            out = f()
+            if rep >= a.warmup:
+                times[f.__name__].append(time.perf_counter() - t)
+            lens[f.__name__] = sum(len(o.token_ids) for r in out for o in r.outputs) / (len(prompts) * cfg.group_size)
+    again = [list(o.token_ids) for r in per_call() for o in r.outputs]
+    first = [list(o.token_ids) for r in per_call() for o in r.outputs]
+    print(f"generation of {a.prompts} prompts x {cfg.group_size} x {cfg.max_response_len} tokens (EOS ignored) "
+          f"(medians of {a.steps}):")
+    base = statistics.median(times["unseeded"])
+    for k, v in times.items():
+        print(f"  {k:<12} {statistics.median(v) * 1e3:7.0f} ms  ({statistics.median(v) / base:.3f}x unseeded)  "
+              f"mean response {lens[k]:.1f}")
+    print(f"  per_call reproduces: {again == first}")
+
+
+if __name__ == "__main__":
+    main()
