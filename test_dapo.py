@@ -931,6 +931,7 @@ def _load_worker(big_dir, tiny_dir):
             tied = m.lm_head.weight is m.model.embed_tokens.weight
             print(f"{os.path.basename(path)}: max |loaded - plain| = {worst:.1e} over {len(rsd)} tensors, "
                   f"inv_freq equal {rope}, logits max diff {logits:.1e}, tied {tied}", flush=True)
+    torch.distributed.barrier()   # both ranks done before either tears gloo down
     torch.distributed.destroy_process_group()
 
 
@@ -980,6 +981,7 @@ def _export_worker(model_dir, out_dir):
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dapo.rank() == 0:
         torch.save(full, os.path.join(out_dir, "trainer.pt"))
+    torch.distributed.barrier()   # both ranks done before either tears gloo down
     torch.distributed.destroy_process_group()
 
 
@@ -1224,14 +1226,18 @@ def test_help_states_what_zero_means():
 
 class _FakeLLM:
     """Stands in for vLLM in sample_groups: responses of 50-300 tokens with large token ids
-    (as a 150k vocabulary has), drawn from the request's seed, so TP ranks agree."""
+    (as a 150k vocabulary has), drawn from torch's global generator, which seeded_engine seeds
+    once per call, so the TP ranks of a group agree."""
+    def reset_prefix_cache(self):
+        pass
+
     def generate(self, prompts, params, use_tqdm=False):
         import random, types
+        g = random.Random(int(torch.randint(2**31, ())))
         outs = []
-        for p in params:
-            g = random.Random(p.seed)
+        for _ in prompts:
             outputs = []
-            for _ in range(p.n):
+            for _ in range(params.n):
                 ids = [g.randrange(100, 150_000) for _ in range(g.randrange(50, 300))]
                 outputs.append(types.SimpleNamespace(
                     token_ids=ids, logprobs=[{t: types.SimpleNamespace(logprob=-g.random())} for t in ids],
@@ -1302,6 +1308,7 @@ def _traffic_worker(out_path):
     if dapo.rank() == 0:
         with open(out_path, "w") as f:
             json.dump(outs, f)
+    torch.distributed.barrier()   # both ranks done before either tears gloo down
     torch.distributed.destroy_process_group()
 
 
