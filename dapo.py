@@ -1597,15 +1597,16 @@ def check_config(cfg):
         raise DapoError("; ".join(problems))
 
 
-def prepare_data(cfg, tokenizer):
-    """(train rows, eval rows) and their prompt token ids; over-long prompts are dropped."""
-    if cfg.train_data:
-        train = load_data(cfg.train_data, cfg.dedup)
-        held = load_data(cfg.eval_data, cfg.dedup) if cfg.eval_data else []
-    else:
-        train, held = demo_task(cfg.seed)
-        if cfg.eval_data:
-            held = load_data(cfg.eval_data, cfg.dedup)
+def read_data(cfg):
+    """(train rows, eval rows): the given files, or the built-in task and its held-out split."""
+    train, held = demo_task(cfg.seed) if not cfg.train_data else (load_data(cfg.train_data, cfg.dedup), [])
+    if cfg.eval_data:
+        held = load_data(cfg.eval_data, cfg.dedup)
+    return train, held
+
+
+def prepare_data(cfg, tokenizer, train, held):
+    """The rows and their prompt token ids; over-long prompts are dropped."""
     out = []
     for name, rows in (("train", train), ("eval", held)):
         ids = [encode_prompt(tokenizer, r["prompt"]) for r in rows]
@@ -1620,14 +1621,12 @@ def prepare_data(cfg, tokenizer):
 
 def preflight(cfg):
     """Every check that can fail on the user's input, before anything slow starts.
-    Returns (checkpoint to resume or None, the run state to start from)."""
+    Returns (checkpoint to resume or None, the run state to start from, (train, eval) rows)."""
     if not cfg.eval_only:
         check_config(cfg)
     if cfg.model:
         check_model(cfg.model, cfg.max_prompt_len + cfg.max_response_len)
-    for f in (cfg.train_data, cfg.eval_data):
-        if f:
-            load_data(f, cfg.dedup)  # reading and checking every row takes a second; vLLM takes minutes
+    data = read_data(cfg)  # reading and checking every row takes a second; vLLM takes minutes
     if cfg.wandb_project:
         try:
             import wandb  # noqa: F401
@@ -1641,7 +1640,7 @@ def preflight(cfg):
         with open(os.path.join(ckpt, "state.json")) as f:
             state = json.load(f)
         check_resume(state["config"], cfg)
-    return ckpt, state
+    return ckpt, state, data
 
 
 def train(cfg):
@@ -1649,7 +1648,7 @@ def train(cfg):
     from transformers import AutoTokenizer
     if cfg.plan:
         return print_plan(cfg), {}
-    ckpt, state = preflight(cfg)
+    ckpt, state, data = preflight(cfg)
     if cfg.wandb_project:
         import wandb
     device = init_distributed(cfg.collective_timeout_min)
@@ -1669,7 +1668,7 @@ def train(cfg):
                    f"in {time.perf_counter() - t:.0f} s, expected accuracy {info['sft_expected_acc']:.2f}")
         torch.distributed.barrier()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    train_rows, train_ids, eval_rows, eval_ids = prepare_data(cfg, tokenizer)
+    train_rows, train_ids, eval_rows, eval_ids = prepare_data(cfg, tokenizer, *data)
     llm = start_engine(cfg, path, device, dummy_weights=not cfg.eval_only)
 
     def run_eval(tag):
