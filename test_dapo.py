@@ -1908,6 +1908,28 @@ dapo.main()
 """
 
 
+def _interrupt(p, err, ready, ready_timeout, exit_timeout, then=None, min_alive=0):
+    """Wait for `ready` on p's stdout, send SIGINT (and run `then`, e.g. a second one), wait for
+    the exit, clean up. Returns (stderr, seconds from the last SIGINT to the exit)."""
+    import signal
+    try:
+        _wait_for(p, ready, ready_timeout)
+        print("processes during the run:", _alive_in_session(p.pid))
+        assert len(_alive_in_session(p.pid)) >= min_alive
+        p.send_signal(signal.SIGINT)
+        t = time.monotonic()
+        if then:
+            then()
+            t = time.monotonic()
+        p.wait(timeout=exit_timeout)
+        took = time.monotonic() - t
+    finally:
+        _end_session(p)
+    p.stdout.close()
+    time.sleep(0.2)
+    return (err[0] if err else ""), took
+
+
 @pytest.mark.parametrize("swallow", [False, True])
 def test_ctrl_c_stops_and_second_ctrl_c_exits_at_once(tmp_path, swallow):
     """First Ctrl-C: a clean stop, one line with the step, the last checkpoint and the --resume
@@ -1922,23 +1944,13 @@ def test_ctrl_c_stops_and_second_ctrl_c_exits_at_once(tmp_path, swallow):
     script.write_text(_CTRL_C_STUB.replace("HERE", repr(HERE)))
     p, err = _start([sys.executable, str(script), "swallow" if swallow else "stop", "--out-dir", str(tmp_path),
                      "--steps", "9"])
-    try:
-        _wait_for(p, "running", 120)
-        assert len(_alive_in_session(p.pid)) >= 3  # the run and its two reward workers
-        t = time.monotonic()
+    def second_ctrl_c():
+        _wait_for(p, "swallowed", 10)
+        assert p.poll() is None
         p.send_signal(signal.SIGINT)
-        if swallow:
-            _wait_for(p, "swallowed", 10)
-            assert p.poll() is None
-            t = time.monotonic()
-            p.send_signal(signal.SIGINT)
-        p.wait(timeout=30)
-        took = time.monotonic() - t
-    finally:
-        _end_session(p)
-    p.stdout.close()
-    time.sleep(0.2)
-    stderr = err[0] if err else ""
+
+    stderr, took = _interrupt(p, err, "running", 120, 30, second_ctrl_c if swallow else None,
+                              min_alive=3)  # the run and its two reward workers
     print(f"Ctrl-C ({'second' if swallow else 'first'}) to exit: {took:.2f} s")
     assert p.returncode == 130, stderr
     assert "Traceback" not in stderr
@@ -1953,21 +1965,9 @@ def test_ctrl_c_stops_a_real_run_cleanly(tmp_path):
     """The demo run through vLLM + FSDP2, SIGINT mid-run: it stops within seconds, exit 130, one
     line with the step, the last complete checkpoint and the resume command, no traceback, and
     nothing it started is left running."""
-    import signal
     p, err = _start([sys.executable, "dapo.py", *E2E_ARGS, "--steps", "50", "--save-every", "1",
                      "--out-dir", str(tmp_path)])
-    try:
-        _wait_for(p, r"^step\s+2\s", 600)
-        print("processes during the run:", _alive_in_session(p.pid))
-        t = time.monotonic()
-        p.send_signal(signal.SIGINT)
-        p.wait(timeout=60)
-        took = time.monotonic() - t
-    finally:
-        _end_session(p)
-    p.stdout.close()
-    time.sleep(0.2)
-    stderr = err[0] if err else ""
+    stderr, took = _interrupt(p, err, r"^step\s+2\s", 600, 60)
     print(f"Ctrl-C to exit: {took:.2f} s")
     assert p.returncode == 130, stderr[-4000:]
     assert "Traceback" not in stderr, stderr[-4000:]
