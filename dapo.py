@@ -55,6 +55,7 @@ class Config:
     eval_data: str = ""              # held-out file, same formats; "" = built-in held-out split
     dedup: bool = True               # drop repeated prompts (DAPO-Math-17k repeats each ~100x)
     out_dir: str = "runs/dapo"       # metrics, samples and checkpoints go here
+    task: str = "add"                # built-in task without --train-data: add (2-digit sums, the demo) or carry (1-5 columns with a carry scratchpad, the ladder's)
     # rollout (paper Sec. 4.1)
     prompts_per_step: int = 512      # N: prompts (groups) in one training batch
     group_size: int = 16             # G: responses sampled per prompt
@@ -124,6 +125,9 @@ DEMO = dict(prompts_per_step=64, group_size=8, gen_batch_size=96, max_prompt_len
             max_response_len=8, overlong_cache_len=2, lr=2e-4, warmup_steps=20,
             num_mini_batches=2, micro_batch_size=256, steps=300, eval_every=50, eval_samples=4,
             eval_top_p=1.0, out_dir="runs/demo")
+# --task carry: written reasoning of 10 to 50 tokens, so each DAPO technique has something to act on.
+CARRY = dict(DEMO, prompts_per_step=32, gen_batch_size=48, max_response_len=96, overlong_cache_len=24,
+             steps=75, eval_every=25, demo_sft_target=0.25, out_dir="runs/carry")
 
 
 def parse_config(argv=None):
@@ -143,7 +147,7 @@ def parse_config(argv=None):
     given = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
     cfg = Config(**given)
     if not cfg.model:  # the embedded default: demo settings unless given explicitly
-        for k, v in DEMO.items():
+        for k, v in (CARRY if cfg.task == "carry" else DEMO).items():
             if k not in given:
                 setattr(cfg, k, v)
     return cfg
@@ -564,21 +568,59 @@ DAPO_HEAD = ("Solve the following math problem step by step. The last line of yo
 DAPO_TAIL = "\n\nRemember to put your answer on its own line after \"Answer:\"."
 
 
-def demo_task(seed=0, n_heldout=300):
-    """a+b with a, b in 10..99 (8,100 problems); returns (train, held_out) rows."""
-    rows = [{"prompt": f"{DAPO_HEAD}{a}+{b}={DAPO_TAIL}", "answer": str(a + b)}
-            for a in range(10, 100) for b in range(10, 100)]
-    random.Random(seed).shuffle(rows)
-    return rows[n_heldout:], rows[:n_heldout]
+def demo_task(seed=0, task="add"):
+    """The built-in task's (train, held_out) rows. Each row has a reference "solution" for the
+    warm-start and, for carry, a difficulty "level" (the number of columns).
+    add: a+b with a, b in 10..99 (8,100 problems, 300 held out).
+    carry: one operand of n = 1..5 digits, the other of 1..n; the solution adds column by
+    column, right to left, then gives the answer: 347+589= -> 7+9=16, 4+8+1=13, 3+5+1=9,
+    Answer: 936 (one line each). 250 problems of each level held out (20 of the 100 1-column ones)."""
+    rng = random.Random(seed)
+    if task == "add":
+        rows = [{"prompt": f"{DAPO_HEAD}{a}+{b}={DAPO_TAIL}", "answer": str(a + b), "solution": f"Answer: {a + b}"}
+                for a in range(10, 100) for b in range(10, 100)]
+        rng.shuffle(rows)
+        return rows[300:], rows[:300]
+    train, held = [], []
+    for n in range(1, 6):
+        pairs = set()  # distinct problems first, then the split: there are only 100 of level 1
+        while len(pairs) < (100 if n == 1 else 5000):
+            a = rng.randrange(10 ** (n - 1) if n > 1 else 0, 10 ** n)
+            m = rng.randint(1, n)
+            b = rng.randrange(10 ** (m - 1) if m > 1 else 0, 10 ** m)
+            pairs.add((a, b) if rng.random() < 0.5 else (b, a))
+        pairs = sorted(pairs)
+        rng.shuffle(pairs)
+        rows = [{"prompt": f"{DAPO_HEAD}{a}+{b}={DAPO_TAIL}", "answer": str(a + b), "level": n,
+                 "solution": carry_solution(a, b)} for a, b in pairs]
+        cut = 20 if n == 1 else 250
+        held, train = held + rows[:cut], train + rows[cut:]
+    rng.shuffle(train)
+    return train, held
 
 
-def build_demo_model(path, seed=0, sft_target=0.3, max_sft_steps=400):
+def carry_solution(a, b):
+    lines, carry = [], 0
+    for i in range(max(len(str(a)), len(str(b)))):
+        x, y = a // 10 ** i % 10, b // 10 ** i % 10
+        lines.append(f"{x}+{y}{'+1' if carry else ''}={x + y + carry}")
+        carry = (x + y + carry) // 10
+    return "\n".join(lines + [f"Answer: {a + b}"])
+
+
+# The warm-start's settings. carry: one level per batch (mixing lengths wasted the budget on
+# padding), a lower lr with a warm-up, and the stopping test every 10 steps.
+WARM_START = {"add": dict(batch=128, lr=1e-3, warmup=1, check_every=1, max_steps=400),
+              "carry": dict(batch=32, lr=3e-3, warmup=50, check_every=10, max_steps=3000)}
+
+
+def build_demo_model(path, seed=0, sft_target=0.3, task="add"):
     """Save a tiny Qwen2 (2 layers, hidden 128, head_dim 64: the CPU backend needs >= 64) and its
     tokenizer to `path`, after a short supervised warm-start on the training split.
 
     NOT DAPO: a random model cannot follow the `Answer: <n>` format, so this stands in for
     pretraining. It stops once the expected accuracy at T = 1 on training prompts (the mean
-    probability of the exact answer string, computed by teacher forcing) reaches sft_target."""
+    probability of the exact reference solution, computed by teacher forcing) reaches sft_target."""
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
     # Character-level, written in the byte-level form Qwen2's tokenizer class expects (space is
@@ -596,38 +638,47 @@ def build_demo_model(path, seed=0, sft_target=0.3, max_sft_steps=400):
     torch.manual_seed(seed)
     config = Qwen2Config(vocab_size=32, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2, head_dim=64,
-                         max_position_embeddings=64, tie_word_embeddings=True,
+                         max_position_embeddings=128, tie_word_embeddings=True,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                          bos_token_id=tokenizer.eos_token_id, dtype="float32")
     assert len(tokenizer) <= config.vocab_size
     model = Qwen2ForCausalLM(config)
-    train, _ = demo_task(seed)
+    train, _ = demo_task(seed, task)
+    w = WARM_START[task]
+    levels = {}  # one level per batch
+    for r in train:
+        levels.setdefault(r.get("level", 0), []).append(r)
+    pools = [levels[k] for k in sorted(levels)]
     g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=w["lr"])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / w["warmup"]))
 
     def batch(rows):
         p = [encode_prompt(tokenizer, r["prompt"]) for r in rows]
-        a = [tokenizer(f"Answer: {r['answer']}", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for r in rows]
+        a = [tokenizer(r["solution"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for r in rows]
         T = max(len(x) + len(y) for x, y in zip(p, a))  # right-pad; pads are masked out
         ids = torch.tensor([x + y + [tokenizer.pad_token_id] * (T - len(x) - len(y)) for x, y in zip(p, a)])
         mask = torch.tensor([[0] * len(x) + [1] * len(y) + [0] * (T - len(x) - len(y)) for x, y in zip(p, a)])
         return ids, mask
 
     dev_ids, dev_mask = batch(train[:256])
-    for step in range(max_sft_steps):
-        with torch.no_grad():  # exact expected accuracy of sampling at T = 1
-            hidden = model.model(dev_ids).last_hidden_state[:, :-1]
-            lp = token_logprobs(hidden, model.lm_head.weight, dev_ids[:, 1:])[0]
-            acc = torch.exp((lp * dev_mask[:, 1:]).sum(1)).mean().item()
-        if acc >= sft_target:
-            break
-        idx = torch.randint(len(train), (128,), generator=g).tolist()
-        ids, mask = batch([train[i] for i in idx])
+    for step in range(w["max_steps"]):
+        if step % w["check_every"] == 0:
+            with torch.no_grad():  # exact expected accuracy of sampling at T = 1
+                hidden = model.model(dev_ids).last_hidden_state[:, :-1]
+                lp = token_logprobs(hidden, model.lm_head.weight, dev_ids[:, 1:])[0]
+                acc = torch.exp((lp * dev_mask[:, 1:]).sum(1)).mean().item()
+            if acc >= sft_target:
+                break
+        pool = pools[step % len(pools)]
+        idx = torch.randint(len(pool), (w["batch"],), generator=g).tolist()
+        ids, mask = batch([pool[i] for i in idx])
         logits = model(ids).logits[:, :-1]
         loss = (F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none") * mask[:, 1:]).sum() / mask.sum()
         opt.zero_grad()
         loss.backward()
         opt.step()
+        sched.step()
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -948,7 +999,10 @@ def sample_groups(llm, tokenizer, rows, prompt_ids, idx, cfg, n, temperature, to
         if answers:
             s["answer"] = reward.extract_answer(s["text"])
     t2 = time.perf_counter()
-    times = {"time/rollout": t1 - t0, "time/reward": t2 - t1, "reward/timeouts": rstats["timeouts"]}
+    times = {"time/rollout": t1 - t0, "time/reward": t2 - t1, "reward/timeouts": rstats["timeouts"],
+             # -log p of each sampled token estimates the policy's entropy over every generated
+             # token, not only the kept groups' (with dynamic sampling those are the uncertain ones)
+             "gen/nll": -sum(sum(s["vllm_logp"]) for s in local), "gen/tokens": sum(s["len"] for s in local)}
     # Only what the decisions need crosses ranks: correctness (dynamic sampling), length and
     # truncation (rewards, statistics, Eq. 12's token count). The first rank of each TP group
     # speaks for it; the others send a digest of their responses, which must equal their leader's.
@@ -963,7 +1017,8 @@ def sample_groups(llm, tokenizer, rows, prompt_ids, idx, cfg, n, temperature, to
         groups.append([{"pos": j, "row": idx[j], "prompt_ids": prompt_ids[idx[j]], "src": src,
                         **(x if src == rank() else dict(zip(fields, x)))} for x in part[k * n:(k + 1) * n]])
     times = {k: max(t[k] for _, t, _ in gathered) for k in times}
-    times["reward/timeouts"] = sum(t["reward/timeouts"] for _, t, _ in gathered)
+    for k in ("reward/timeouts", "gen/nll", "gen/tokens"):
+        times[k] = sum(t[k] for _, t, _ in gathered[::tp])
     times["sync/tp_mismatch"] = sum(d != gathered[r - r % tp][2] for r, (_, _, d) in enumerate(gathered))
     times["comm/meta_bytes"] = nbytes
     return groups, times
@@ -1295,7 +1350,11 @@ def evaluate(llm, tokenizer, rows, prompt_ids, cfg, tag):
         pas.append(pass_at_k(k, c, k))
         maj.append(majority_correct([s["answer"] for s in g], rows[i]["answer"]))
     n = len(idx)
-    return {f"eval/avg@{k}": sum(avg) / n, f"eval/pass@{k}": sum(pas) / n, f"eval/maj@{k}": sum(maj) / n}
+    out = {f"eval/avg@{k}": sum(avg) / n, f"eval/pass@{k}": sum(pas) / n, f"eval/maj@{k}": sum(maj) / n}
+    for level in sorted({rows[i]["level"] for i in idx if "level" in rows[i]}):  # the carry task's difficulty
+        mine = [a for i, a in zip(idx, avg) if rows[i].get("level") == level]
+        out[f"eval/avg@{k}/d{level}"] = sum(mine) / len(mine)
+    return out
 
 
 # -----------------------------------------------------------------------------------------
@@ -1593,13 +1652,15 @@ def check_config(cfg):
         problems.append("--max-nonfinite must be at least 1")
     if cfg.grad_clip < 0:
         problems.append("--grad-clip must be >= 0 (0 = no clipping)")
+    if cfg.task not in ("add", "carry"):
+        problems.append(f"--task must be add or carry, not {cfg.task!r}")
     if problems:
         raise DapoError("; ".join(problems))
 
 
 def read_data(cfg):
     """(train rows, eval rows): the given files, or the built-in task and its held-out split."""
-    train, held = demo_task(cfg.seed) if not cfg.train_data else (load_data(cfg.train_data, cfg.dedup), [])
+    train, held = demo_task(cfg.seed, cfg.task) if not cfg.train_data else (load_data(cfg.train_data, cfg.dedup), [])
     if cfg.eval_data:
         held = load_data(cfg.eval_data, cfg.dedup)
     return train, held
@@ -1663,7 +1724,7 @@ def train(cfg):
         path = os.path.join(cfg.out_dir, "base_model")
         if rank() == 0:
             t = time.perf_counter()
-            info = build_demo_model(path, cfg.seed, cfg.demo_sft_target)
+            info = build_demo_model(path, cfg.seed, cfg.demo_sft_target, cfg.task)
             print0(f"built-in demo model: supervised warm-start (not DAPO) for {info['sft_steps']} steps "
                    f"in {time.perf_counter() - t:.0f} s, expected accuracy {info['sft_expected_acc']:.2f}")
         torch.distributed.barrier()
@@ -1725,6 +1786,8 @@ def train(cfg):
         rewards = torch.tensor([s["reward"] for s in samples])
         for s, a in zip(samples, group_advantages(rewards, cfg.group_size).tolist()):
             s["adv"] = a
+        # The effective batch: groups whose advantages are not all zero (they carry a gradient).
+        m["batch/effective_groups"] = int((rewards.view(-1, cfg.group_size).std(1) > 0).sum())
         # Every rank decided the same kept list; now each sample's tokens go to the rank that trains it.
         got = torch.tensor(m.pop("comm/meta_bytes") + distribute(samples, cfg), dtype=torch.float64)
         torch.distributed.all_reduce(got, op=torch.distributed.ReduceOp.MAX)
@@ -1752,6 +1815,7 @@ def train(cfg):
                   "acc/mean": sum(s["correct"] for s in every) / len(every),
                   "len/mean": sum(lens) / len(lens), "len/max": max(lens),
                   "len/truncated_frac": sum(s["truncated"] for s in every) / len(every), "lr": lr,
+                  "gen/responses": len(every), "entropy/generated": m.pop("gen/nll") / max(1, m.pop("gen/tokens")),
                   "time/update": t2 - t1, "time/sync": t3 - t2, "time/step": t3 - t0,
                   "tokens/s": (sum(lens) + sum(len(s["prompt_ids"]) for s in every)) / (t3 - t0)})
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:

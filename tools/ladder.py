@@ -1,0 +1,228 @@
+"""
+ladder.py: the paper's Table 1 ablation ladder, in miniature, on dapo.py's carry task.
+
+Each rung adds one DAPO technique to the one before, as in Table 1 of the paper:
+naive GRPO -> + overlong filtering -> + Clip-Higher -> + soft overlong punishment
+-> + token-level loss -> + dynamic sampling (= full DAPO). The task is `--task carry`: sums of
+1 to 5 columns written out column by column (10 to 50 tokens), so that responses vary in length
+and difficulty. Each seed warm-starts one model (supervised, not DAPO) that all its rungs share.
+
+    python tools/ladder.py                    # 6 rungs x 3 seeds (~1.5 hours on 2 CPU cores)
+    python tools/ladder.py --report           # only rebuild the table and ladder.png from runs/ladder
+    python tools/ladder.py --print-commands   # the command lines, to run them elsewhere
+
+The report compares rungs per rollout step AND per generated response (dynamic sampling
+generates more per step). matplotlib is optional: with it, --report also draws ladder.png.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GRPO = ["--eps-high", "0.2", "--no-overlong-filtering", "--no-soft-overlong-punishment", "--no-token-level-loss",
+        "--no-dynamic-sampling"]
+RUNGS = [  # (name, paper's AIME24 avg@32 for Qwen2.5-32B, flags): each rung drops one GRPO flag pair
+    ("naive GRPO", 30, GRPO),
+    ("+ overlong filtering", 36, GRPO[:2] + GRPO[3:]),
+    ("+ Clip-Higher", 38, GRPO[3:]),
+    ("+ soft overlong punishment", 41, GRPO[4:]),
+    ("+ token-level loss", 42, GRPO[5:]),
+    ("+ dynamic sampling (DAPO)", 50, []),
+]
+SHORT, LONG = (1, 2, 3), (4, 5)  # the carry task's levels (columns): held-out split by difficulty
+KEY = "eval/avg@4"
+
+
+def base_model(args, seed):
+    return os.path.join(args.root, f"base-seed{seed}")
+
+
+def run_dir(args, i, seed):
+    return os.path.join(args.root, f"rung{i}", f"seed{seed}")
+
+
+def settings(args):
+    """The carry task's demo settings as flags (they apply only without --model)."""
+    sys.path.insert(0, ROOT)
+    import dapo
+    skip = {"out_dir", "demo_sft_target"}
+    carry = {**dapo.CARRY, "steps": args.steps, "eval_every": args.eval_every}
+    return [x for k, v in carry.items() if k not in skip for x in (f"--{k.replace('_', '-')}", str(v))]
+
+
+def commands(args):
+    common = settings(args)
+    for i, (name, _, flags) in enumerate(RUNGS):
+        for seed in args.seeds:
+            yield seed, [sys.executable, os.path.join(ROOT, "dapo.py"), "--task", "carry", "--model",
+                         base_model(args, seed), "--seed", str(seed), *common, "--out-dir", run_dir(args, i, seed),
+                         *flags, *args.extra]
+
+
+def parse_eval(stdout, tag):
+    """The metrics of dapo.py's `eval (tag): name value name value ...` line."""
+    line = next(x for x in stdout.splitlines() if x.startswith(f"eval ({tag}): "))
+    words = line.split(": ", 1)[1].split()
+    return {k: float(v) for k, v in zip(words[::2], words[1::2])}
+
+
+def load(path):
+    with open(os.path.join(path, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def split(evals, levels, counts):
+    """avg@4 over the held-out problems of these levels, weighted by their number."""
+    n = sum(counts[k] for k in levels)
+    return sum(evals[f"{KEY}/d{k}"] * counts[k] for k in levels) / n
+
+
+def mean_sd(xs):
+    return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs) if len(xs) > 1 else 0.0:.3f}"
+
+
+def curve(run):
+    """[(rollout step, generated responses so far, eval metrics)], the "before" eval at step 0."""
+    out, done = [(0, 0, run["before"])], 0
+    for r in run["metrics"]:
+        done += r["gen/responses"]
+        if KEY in r:
+            out.append((r["step"], done, r))
+    out.append((run["metrics"][-1]["step"], done, run["after"]))
+    return out
+
+
+def first_reach(c, target):
+    return next(((s, g) for s, g, e in c if e[KEY] >= target), (None, None))
+
+
+def report(args):
+    sys.path.insert(0, ROOT)
+    import dapo
+    counts = {}
+    for r in dapo.demo_task(0, "carry")[1]:
+        counts[r["level"]] = counts.get(r["level"], 0) + 1
+    runs = {}  # rung index -> [run]
+    for i in range(len(RUNGS)):
+        for seed in args.seeds:
+            path = run_dir(args, i, seed)
+            if not os.path.exists(os.path.join(path, "evals.json")):
+                continue  # not run (or not finished) yet
+            with open(os.path.join(path, "evals.json")) as f:
+                run = json.load(f)
+            run["metrics"] = load(path)
+            runs.setdefault(i, []).append(run)
+    if 0 not in runs:
+        sys.exit(f"no finished naive GRPO run under {args.root}: run the ladder first")
+    grpo_final = statistics.mean(r["after"][KEY] for r in runs[0])
+    grpo_responses = statistics.mean(sum(m["gen/responses"] for m in r["metrics"]) for r in runs[0])
+    last = lambda r, k: statistics.mean(m[k] for m in r["metrics"][-args.tail:])  # late-training mean
+    table = [f"| rung | paper AIME24 | held-out avg@4 (mean ± sd) | short d1-d3 | long d4-d5 | "
+             f"steps to GRPO's final ({grpo_final:.3f}) | responses to it | at GRPO's responses | "
+             f"entropy | truncated | kept | effective groups | responses/step | clip hi |",
+             "|---|" * 14]
+    for i, rs in sorted(runs.items()):
+        name, paper, _ = RUNGS[i]
+        reach = [first_reach(curve(r), grpo_final) for r in rs]
+        steps = [s for s, _ in reach if s is not None]
+        gens = [g for _, g in reach if g is not None]
+        # held-out accuracy at the last eval that had generated no more responses than GRPO's whole run
+        same_budget = [[e[KEY] for s, g, e in curve(r) if g <= grpo_responses][-1] for r in rs]
+        table.append(
+            f"| {name} | {paper} | {mean_sd([r['after'][KEY] for r in rs])} "
+            f"| {mean_sd([split(r['after'], SHORT, counts) for r in rs])} "
+            f"| {mean_sd([split(r['after'], LONG, counts) for r in rs])} "
+            f"| {statistics.median(steps) if steps else '-'} ({len(steps)}/{len(rs)}) "
+            f"| {statistics.median(gens) if gens else '-'} | {statistics.mean(same_budget):.3f} "
+            f"| {statistics.mean(last(r, 'entropy/generated') for r in rs):.3f} "
+            f"| {statistics.mean(last(r, 'len/truncated_frac') for r in rs):.3f} "
+            f"| {statistics.mean(last(r, 'filter/kept_frac') for r in rs):.2f} "
+            f"| {statistics.mean(last(r, 'batch/effective_groups') for r in rs):.1f} "
+            f"| {statistics.mean(last(r, 'gen/responses') for r in rs):.0f} "
+            f"| {statistics.mean(last(r, 'clip/high_frac') for r in rs):.4f} |")
+    print(f"{len(args.seeds)} seeds; held-out avg@4 after the last step; per-step metrics are means over the "
+          f"last {args.tail} rollout steps and the seeds; steps and responses to reach are medians over the seeds "
+          f"that reached it (eval every {args.eval_every} steps).\n")
+    print("\n".join(table))
+    plot(args, runs, counts)
+
+
+def plot(args, runs, counts):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(pip install matplotlib for ladder.png)")
+        return
+    fig, axes = plt.subplots(2, 3, figsize=(16, 8))
+    for i, rs in sorted(runs.items()):
+        name = RUNGS[i][0]
+        curves = [curve(r) for r in rs]
+        n = min(len(c) for c in curves)
+        mean = lambda f: [statistics.mean(f(c[j]) for c in curves) for j in range(n)]
+        axes[0, 0].plot(mean(lambda p: p[0]), mean(lambda p: p[2][KEY]), marker="o", label=name)
+        axes[0, 1].plot(mean(lambda p: p[1]), mean(lambda p: p[2][KEY]), marker="o", label=name)
+        axes[0, 2].plot(mean(lambda p: p[0]), mean(lambda p: split(p[2], LONG, counts)), marker="o", label=name)
+        steps = min(len(r["metrics"]) for r in rs)
+        for ax, k in zip(axes[1], ("entropy/generated", "len/truncated_frac", "batch/effective_groups")):
+            ax.plot(range(1, steps + 1), [statistics.mean(r["metrics"][j][k] for r in rs) for j in range(steps)],
+                    label=name)
+            ax.set_title(f"{k} (mean over seeds)")
+            ax.set_xlabel("rollout step")
+    for ax, title, x in zip(axes[0], ("held-out avg@4", "held-out avg@4 per generated response",
+                                      "held-out avg@4, long problems (d4-d5)"),
+                            ("rollout step", "generated responses", "rollout step")):
+        ax.set_title(title)
+        ax.set_xlabel(x)
+    axes[0, 0].legend(fontsize=7)
+    fig.tight_layout()
+    out = os.path.join(ROOT, "ladder.png")
+    fig.savefig(out, dpi=70)
+    print(f"wrote {out}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--steps", type=int, default=75)
+    p.add_argument("--eval-every", type=int, default=15)
+    p.add_argument("--tail", type=int, default=25, help="rollout steps averaged for the per-step metrics")
+    p.add_argument("--root", default=os.path.join(ROOT, "runs", "ladder"))
+    p.add_argument("--report", action="store_true")
+    p.add_argument("--print-commands", action="store_true")
+    p.add_argument("extra", nargs="*", help="more dapo.py flags for every rung (after --)")
+    args = p.parse_args()
+    if args.print_commands:
+        for _, c in commands(args):
+            print(" ".join(["python"] + c[1:]))
+        return
+    if not args.report:
+        sys.path.insert(0, ROOT)
+        import dapo
+        for seed in args.seeds:
+            if not os.path.exists(os.path.join(base_model(args, seed), "config.json")):
+                info = dapo.build_demo_model(base_model(args, seed), seed, dapo.CARRY["demo_sft_target"], "carry")
+                print(f"seed {seed}: warm-start (not DAPO) {info}", flush=True)
+        for seed, c in commands(args):
+            out_dir = c[c.index("--out-dir") + 1]
+            if os.path.exists(os.path.join(out_dir, "evals.json")):
+                continue  # done already: the ladder can be stopped and restarted
+            print(" ".join(["python"] + c[1:]), flush=True)
+            os.makedirs(out_dir, exist_ok=True)
+            r = subprocess.run(c, capture_output=True, text=True, cwd=ROOT)
+            with open(os.path.join(out_dir, "stdout.txt"), "w") as f:
+                f.write(r.stdout + r.stderr[-5000:])
+            if r.returncode:
+                sys.exit(f"failed: {' '.join(c)}\n{r.stderr[-2000:]}")
+            with open(os.path.join(out_dir, "evals.json"), "w") as f:
+                json.dump({tag: parse_eval(r.stdout, tag) for tag in ("before", "after")}, f)
+    report(args)
+
+
+if __name__ == "__main__":
+    main()
