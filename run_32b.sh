@@ -70,7 +70,7 @@ args=(
 
 if [ "${1:-}" = "--plan" ]; then
   shift
-  exec python dapo.py "${args[@]}" --plan --plan-nodes "$NNODES" --plan-gpus-per-node "$GPUS_PER_NODE" "$@"
+  exec python tools/plan.py "${args[@]}" --plan-nodes "$NNODES" --plan-gpus-per-node "$GPUS_PER_NODE" "$@"
 fi
 
 # Preflight, on every node before it starts 8 ranks: one line and exit 2 on the first problem.

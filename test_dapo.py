@@ -337,6 +337,8 @@ import torch  # noqa: E402
 import dapo  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "tools"))
+import plan  # noqa: E402  (tools/plan.py, the memory planner)
 
 
 def test_import_is_cheap_and_side_effect_free():
@@ -826,6 +828,8 @@ def test_token_budget_and_checkpointing_give_the_same_gradient(tiny_model, tmp_p
 
 _PLAN_SCRIPT = r"""
 import sys, torch, dapo
+sys.path.insert(0, "tools")
+import plan as planner
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -849,7 +853,7 @@ with tracker, sdpa_kernel(SDPBackend.MATH):   # the same attention ops on every 
     lp, _ = dapo.token_logprobs(hidden[:, :-1], model.lm_head.weight, ids[:, 1:], chunk=1024)
     lp.sum().backward()
 peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] - base
-plan = scale * dapo.activation_bytes(shape, B * S, 4, ckpt, 1024, seq=S, flash=False)
+plan = scale * planner.activation_bytes(shape, B * S, 4, ckpt, 1024, seq=S, flash=False)
 print(peak / 2**20, plan / 2**20)
 """
 
@@ -876,12 +880,12 @@ def test_memory_plan_matches_measured_peak():
 
 
 def test_memory_plan_32b_recipe_fits_16_nodes():
-    cfg = dapo.parse_config(["--model", "Qwen/Qwen2.5-32B", "--max-response-len", "20480", "--tp-size", "4",
+    cfg = plan.parse_config(["--model", "Qwen/Qwen2.5-32B", "--max-response-len", "20480", "--tp-size", "4",
                              "--gpu-memory-utilization", "0.7", "--grad-checkpointing", "--micro-batch-tokens", "22528"])
-    shape = dapo.model_shape("Qwen/Qwen2.5-32B")
-    rows, v = dapo.memory_plan(cfg, shape, 16, 8, 80)
+    shape = plan.model_shape("Qwen/Qwen2.5-32B")
+    rows, v = plan.memory_plan(cfg, shape, 16, 8, 80)
     assert 32.5e9 < v["params"] < 33e9 and v["fits"] and v["kv_seqs"] >= 1
-    assert not dapo.memory_plan(cfg, shape, 1, 8, 80)[1]["fits"]           # one node is too small
+    assert not plan.memory_plan(cfg, shape, 1, 8, 80)[1]["fits"]           # one node is too small
 
 
 # --- loading the policy and checkpoints at scale (meta-device build, sharded saves) ------------
@@ -1346,10 +1350,10 @@ def test_collective_timeout_reaches_the_process_group():
 
 
 def _plan(*args):
-    cfg = dapo.parse_config(["--model", "Qwen/Qwen2.5-32B", "--max-response-len", "20480", "--tp-size", "4",
+    cfg = plan.parse_config(["--model", "Qwen/Qwen2.5-32B", "--max-response-len", "20480", "--tp-size", "4",
                              "--gpu-memory-utilization", "0.7", "--grad-checkpointing", "--micro-batch-tokens",
                              "22528", *args])
-    return cfg, dapo.model_shape(cfg.model)
+    return cfg, plan.model_shape(cfg.model)
 
 
 def test_memory_plan_host_ram_32b():
@@ -1358,7 +1362,7 @@ def test_memory_plan_host_ram_32b():
     offload on 16 nodes the peak is saving: 8 files of 5 GB (DCP staging, 12 B/param/128 ranks x 8
     = 24.6 GB, is less). A node too small for it fails the plan even when the GPUs fit."""
     cfg, shape = _plan("--cpu-offload")
-    rows, v = dapo.memory_plan(cfg, shape, 1, 8, 80)
+    rows, v = plan.memory_plan(cfg, shape, 1, 8, 80)
     host = dict(v["host"])
     P, emb = v["params"], 152064 * 5120
     assert host["offloaded state (fp32 params, grads, AdamW)"] == pytest.approx(16 * P)
@@ -1366,14 +1370,14 @@ def test_memory_plan_host_ram_32b():
     assert v["host_peak"] == pytest.approx(32e9 + 16 * P + 8 * 5e9 + 8 * emb * 2)
     assert 600e9 < v["host_peak"] < 620e9 and v["fits"] and v["gpu_fits"]
     cfg.plan_host_ram_gb = 512
-    v = dapo.memory_plan(cfg, shape, 1, 8, 80)[1]
+    v = plan.memory_plan(cfg, shape, 1, 8, 80)[1]
     assert v["gpu_fits"] and not v["host_fits"] and not v["fits"]
-    assert dapo.memory_plan(cfg, shape, 2, 8, 80)[1]["fits"]           # 2 nodes halve the offloaded state
+    assert plan.memory_plan(cfg, shape, 2, 8, 80)[1]["fits"]           # 2 nodes halve the offloaded state
     cfg, shape = _plan()
-    v = dapo.memory_plan(cfg, shape, 16, 8, 80)[1]
+    v = plan.memory_plan(cfg, shape, 16, 8, 80)[1]
     assert v["host_peak"] == pytest.approx(32e9 + max(12 * v["params"] / 16, 8 * 5e9))
     with pytest.raises(dapo.DapoError, match=r"^--plan needs positive sizes \(got --plan-nodes 0, --plan-host-ram-gb 0.0\)$"):
-        dapo.print_plan(_plan("--plan-nodes", "0", "--plan-host-ram-gb", "0")[0])
+        plan.print_plan(_plan("--plan-nodes", "0", "--plan-host-ram-gb", "0")[0])
 
 
 def test_plan_reads_the_weight_file_size_of_a_local_model(tmp_path, capsys):
@@ -1385,7 +1389,7 @@ def test_plan_reads_the_weight_file_size_of_a_local_model(tmp_path, capsys):
     with open(tmp_path / "model-00001-of-00002.safetensors", "wb") as f:
         f.truncate(7_000_000_000)
     (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"x")
-    dapo.print_plan(dapo.parse_config(["--model", str(tmp_path), "--plan", "--plan-nodes", "1"]))
+    plan.print_plan(plan.parse_config(["--model", str(tmp_path), "--plan-nodes", "1"]))
     out = capsys.readouterr().out
     print(out)
     assert re.search(r"peak while loading \(a 7\.0 GB weight file\) +39\.00 GB", out), out
@@ -1681,7 +1685,7 @@ def test_carry_task_solutions_levels_and_split(tmp_path):
     count = {n: sum(r["level"] == n for r in held) for n in range(1, 6)}
     assert count == {1: 20, 2: 250, 3: 250, 4: 250, 5: 250}
     assert sum(r["level"] == 1 for r in train) == 80      # all 100 one-column problems exist once
-    assert dapo.demo_task(0, "carry") == (train, held) and dapo.demo_task(1, "carry")[1] != held
+    assert dapo.demo_task(1, "carry") == (train, held)  # a fixed dataset: the seed varies the model and sampling
     for r in train[:2000] + held:
         a, b = map(int, r["prompt"].split(dapo.DAPO_HEAD)[1].split("=")[0].split("+"))
         assert r["answer"] == str(a + b) and r["level"] == max(len(str(a)), len(str(b)))
@@ -2108,3 +2112,37 @@ if __name__ == "__main__":  # helpers launched by the tests above (under torchru
         _export_worker(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "traffic":
         _traffic_worker(sys.argv[2])
+
+
+# --- tools/ladder.py -------------------------------------------------------------------------
+
+def test_ladder_report_compares_per_step_and_per_response(tmp_path, capsys):
+    """The report on two synthetic rungs: the later rung reaches the first rung's final accuracy
+    in fewer steps but, generating 3x per step, not in fewer responses."""
+    sys.path.insert(0, os.path.join(HERE, "tools"))
+    import ladder
+    before = {"eval/avg@4": 0.2, **{f"eval/avg@4/d{n}": 0.2 for n in range(1, 6)}}
+    for rung, (per_step, gain) in {0: (256, 0.01), 5: (768, 0.03)}.items():
+        for seed in (0, 1):
+            d = tmp_path / f"rung{rung}" / f"seed{seed}"
+            d.mkdir(parents=True)
+            with open(d / "metrics.jsonl", "w") as f:
+                for step in range(1, 21):
+                    m = {"step": step, "gen/responses": per_step, "entropy/generated": 0.1,
+                         "len/truncated_frac": 0.0, "filter/kept_frac": 0.5, "batch/effective_groups": 8,
+                         "clip/high_frac": 0.0}
+                    if step % 5 == 0:
+                        m.update({k: round(0.2 + gain * step, 3) for k in before})
+                    f.write(json.dumps(m) + "\n")
+            after = {k: round(0.2 + gain * 20, 3) for k in before}
+            stdout = "".join(f"eval ({t}): " + "  ".join(f"{k} {v:.3f}" for k, v in e.items()) + "\n"
+                             for t, e in (("before", before), ("after", after)))
+            (d / "evals.json").write_text(json.dumps({t: ladder.parse_eval(stdout, t) for t in ("before", "after")}))
+    args = ladder.main.__globals__["argparse"].Namespace(root=str(tmp_path), seeds=[0, 1], eval_every=5, tail=5)
+    ladder.report(args)
+    rows = [x for x in capsys.readouterr().out.splitlines() if x.startswith("| ")]
+    grpo, full = rows[1].split(" | "), rows[2].split(" | ")
+    assert grpo[2] == "0.400 ± 0.000" and full[2] == "0.800 ± 0.000"   # held-out avg@4 after step 20
+    assert grpo[5] == "20.0 (2/2)" and full[5] == "10.0 (2/2)"         # steps to reach GRPO's final 0.4
+    assert float(grpo[6]) == 20 * 256 and float(full[6]) == 10 * 768  # responses generated to reach it
+    assert grpo[7] == "0.400" and full[7] == "0.350"  # at GRPO's 5,120 responses DAPO was at step 5: 0.35

@@ -4,8 +4,10 @@ ladder.py: the paper's Table 1 ablation ladder, in miniature, on dapo.py's carry
 Each rung adds one DAPO technique to the one before, as in Table 1 of the paper:
 naive GRPO -> + overlong filtering -> + Clip-Higher -> + soft overlong punishment
 -> + token-level loss -> + dynamic sampling (= full DAPO). The task is `--task carry`: sums of
-1 to 5 columns written out column by column (10 to 50 tokens), so that responses vary in length
-and difficulty. Each seed warm-starts one model (supervised, not DAPO) that all its rungs share.
+1 to 5 columns written out column by column (10 to 52 tokens), so that responses vary in length
+and difficulty. One warm-started model (supervised, not DAPO) is the base of every rung and seed,
+as one pretrained model is in the paper; the seeds vary the RL sampling (and the held-out set is
+the carry task's fixed one), so the spread over seeds is the noise of RL alone.
 
     python tools/ladder.py                    # 6 rungs x 3 seeds (~1.5 hours on 2 CPU cores)
     python tools/ladder.py --report           # only rebuild the table and ladder.png from runs/ladder
@@ -37,8 +39,8 @@ SHORT, LONG = (1, 2, 3), (4, 5)  # the carry task's levels (columns): held-out s
 KEY = "eval/avg@4"
 
 
-def base_model(args, seed):
-    return os.path.join(args.root, f"base-seed{seed}")
+def base_model(args):
+    return os.path.join(args.root, "base")
 
 
 def run_dir(args, i, seed):
@@ -57,9 +59,11 @@ def settings(args):
 def commands(args):
     common = settings(args)
     for i, (name, _, flags) in enumerate(RUNGS):
+        if i not in args.rungs:
+            continue
         for seed in args.seeds:
             yield seed, [sys.executable, os.path.join(ROOT, "dapo.py"), "--task", "carry", "--model",
-                         base_model(args, seed), "--seed", str(seed), *common, "--out-dir", run_dir(args, i, seed),
+                         base_model(args), "--seed", str(seed), *common, "--out-dir", run_dir(args, i, seed),
                          *flags, *args.extra]
 
 
@@ -116,13 +120,14 @@ def report(args):
                 run = json.load(f)
             run["metrics"] = load(path)
             runs.setdefault(i, []).append(run)
-    if 0 not in runs:
-        sys.exit(f"no finished naive GRPO run under {args.root}: run the ladder first")
-    grpo_final = statistics.mean(r["after"][KEY] for r in runs[0])
-    grpo_responses = statistics.mean(sum(m["gen/responses"] for m in r["metrics"]) for r in runs[0])
+    if not runs:
+        sys.exit(f"no finished run under {args.root}: run the ladder first")
+    base = min(runs)  # naive GRPO, or the first rung of a subset: the reference to reach
+    grpo_final = statistics.mean(r["after"][KEY] for r in runs[base])
+    grpo_responses = statistics.mean(sum(m["gen/responses"] for m in r["metrics"]) for r in runs[base])
     last = lambda r, k: statistics.mean(m[k] for m in r["metrics"][-args.tail:])  # late-training mean
     table = [f"| rung | paper AIME24 | held-out avg@4 (mean ± sd) | short d1-d3 | long d4-d5 | "
-             f"steps to GRPO's final ({grpo_final:.3f}) | responses to it | at GRPO's responses | "
+             f"steps to {RUNGS[base][0]}'s final ({grpo_final:.3f}) | responses to it | at its responses | "
              f"entropy | truncated | kept | effective groups | responses/step | clip hi |",
              "|---|" * 14]
     for i, rs in sorted(runs.items()):
@@ -189,6 +194,7 @@ def plot(args, runs, counts):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--rungs", type=int, nargs="+", default=list(range(len(RUNGS))), help="a subset, by index")
     p.add_argument("--steps", type=int, default=75)
     p.add_argument("--eval-every", type=int, default=15)
     p.add_argument("--tail", type=int, default=25, help="rollout steps averaged for the per-step metrics")
@@ -204,10 +210,9 @@ def main():
     if not args.report:
         sys.path.insert(0, ROOT)
         import dapo
-        for seed in args.seeds:
-            if not os.path.exists(os.path.join(base_model(args, seed), "config.json")):
-                info = dapo.build_demo_model(base_model(args, seed), seed, dapo.CARRY["demo_sft_target"], "carry")
-                print(f"seed {seed}: warm-start (not DAPO) {info}", flush=True)
+        if not os.path.exists(os.path.join(base_model(args), "config.json")):
+            info = dapo.build_demo_model(base_model(args), 0, dapo.CARRY["demo_sft_target"], "carry")
+            print(f"warm-start (not DAPO): {info}", flush=True)
         for seed, c in commands(args):
             out_dir = c[c.index("--out-dir") + 1]
             if os.path.exists(os.path.join(out_dir, "evals.json")):
