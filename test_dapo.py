@@ -2138,7 +2138,8 @@ def test_ladder_report_compares_per_step_and_per_response(tmp_path, capsys):
             stdout = "".join(f"eval ({t}): " + "  ".join(f"{k} {v:.3f}" for k, v in e.items()) + "\n"
                              for t, e in (("before", before), ("after", after)))
             (d / "evals.json").write_text(json.dumps({t: ladder.parse_eval(stdout, t) for t in ("before", "after")}))
-    args = ladder.main.__globals__["argparse"].Namespace(root=str(tmp_path), seeds=[0, 1], eval_every=5, tail=5)
+    args = ladder.main.__globals__["argparse"].Namespace(root=str(tmp_path), seeds=[0, 1], eval_every=5, tail=5,
+                                                       png=str(tmp_path / "ladder.png"))
     ladder.report(args)
     rows = [x for x in capsys.readouterr().out.splitlines() if x.startswith("| ")]
     grpo, full = rows[1].split(" | "), rows[2].split(" | ")

@@ -129,7 +129,7 @@ def report(args):
     table = [f"| rung | paper AIME24 | held-out avg@4 (mean ± sd) | short d1-d3 | long d4-d5 | "
              f"steps to {RUNGS[base][0]}'s final ({grpo_final:.3f}) | responses to it | at its responses | "
              f"entropy | truncated | kept | effective groups | responses/step | clip hi |",
-             "|---|" * 14]
+             "|" + "---|" * 14]
     for i, rs in sorted(runs.items()):
         name, paper, _ = RUNGS[i]
         reach = [first_reach(curve(r), grpo_final) for r in rs]
@@ -186,9 +186,8 @@ def plot(args, runs, counts):
         ax.set_xlabel(x)
     axes[0, 0].legend(fontsize=7)
     fig.tight_layout()
-    out = os.path.join(ROOT, "ladder.png")
-    fig.savefig(out, dpi=70)
-    print(f"wrote {out}")
+    fig.savefig(args.png, dpi=70)
+    print(f"wrote {args.png}")
 
 
 def main():
@@ -199,6 +198,7 @@ def main():
     p.add_argument("--eval-every", type=int, default=15)
     p.add_argument("--tail", type=int, default=25, help="rollout steps averaged for the per-step metrics")
     p.add_argument("--root", default=os.path.join(ROOT, "runs", "ladder"))
+    p.add_argument("--png", default=os.path.join(ROOT, "ladder.png"), help="where --report draws the curves")
     p.add_argument("--report", action="store_true")
     p.add_argument("--print-commands", action="store_true")
     p.add_argument("extra", nargs="*", help="more dapo.py flags for every rung (after --)")
