@@ -2144,6 +2144,6 @@ def test_ladder_report_compares_per_step_and_per_response(tmp_path, capsys):
     rows = [x for x in capsys.readouterr().out.splitlines() if x.startswith("| ")]
     grpo, full = rows[1].split(" | "), rows[2].split(" | ")
     assert grpo[2] == "0.400 ± 0.000" and full[2] == "0.800 ± 0.000"   # held-out avg@4 after step 20
-    assert grpo[5] == "20.0 (2/2)" and full[5] == "10.0 (2/2)"         # steps to reach GRPO's final 0.4
+    assert grpo[5] == "20 (2/2)" and full[5] == "10 (2/2)"             # steps to reach GRPO's final 0.4
     assert float(grpo[6]) == 20 * 256 and float(full[6]) == 10 * 768  # responses generated to reach it
     assert grpo[7] == "0.400" and full[7] == "0.350"  # at GRPO's 5,120 responses DAPO was at step 5: 0.35

@@ -141,14 +141,14 @@ def report(args):
             f"| {name} | {paper} | {mean_sd([r['after'][KEY] for r in rs])} "
             f"| {mean_sd([split(r['after'], SHORT, counts) for r in rs])} "
             f"| {mean_sd([split(r['after'], LONG, counts) for r in rs])} "
-            f"| {statistics.median(steps) if steps else '-'} ({len(steps)}/{len(rs)}) "
-            f"| {statistics.median(gens) if gens else '-'} | {statistics.mean(same_budget):.3f} "
+            f"| {f'{statistics.median(steps):g}' if steps else '-'} ({len(steps)}/{len(rs)}) "
+            f"| {f'{statistics.median(gens):g}' if gens else '-'} | {statistics.mean(same_budget):.3f} "
             f"| {statistics.mean(last(r, 'entropy/generated') for r in rs):.3f} "
-            f"| {statistics.mean(last(r, 'len/truncated_frac') for r in rs):.3f} "
+            f"| {100 * statistics.mean(last(r, 'len/truncated_frac') for r in rs):.2f}% "
             f"| {statistics.mean(last(r, 'filter/kept_frac') for r in rs):.2f} "
             f"| {statistics.mean(last(r, 'batch/effective_groups') for r in rs):.1f} "
             f"| {statistics.mean(last(r, 'gen/responses') for r in rs):.0f} "
-            f"| {statistics.mean(last(r, 'clip/high_frac') for r in rs):.4f} |")
+            f"| {100 * statistics.mean(last(r, 'clip/high_frac') for r in rs):.3f}% |")
     print(f"{len(args.seeds)} seeds; held-out avg@4 after the last step; per-step metrics are means over the "
           f"last {args.tail} rollout steps and the seeds; steps and responses to reach are medians over the seeds "
           f"that reached it (eval every {args.eval_every} steps).\n")
