@@ -2119,6 +2119,7 @@ if __name__ == "__main__":  # helpers launched by the tests above (under torchru
 def test_ladder_report_compares_per_step_and_per_response(tmp_path, capsys):
     """The report on two synthetic rungs: the later rung reaches the first rung's final accuracy
     in fewer steps but, generating 3x per step, not in fewer responses."""
+    import argparse
     sys.path.insert(0, os.path.join(HERE, "tools"))
     import ladder
     before = {"eval/avg@4": 0.2, **{f"eval/avg@4/d{n}": 0.2 for n in range(1, 6)}}
@@ -2138,7 +2139,7 @@ def test_ladder_report_compares_per_step_and_per_response(tmp_path, capsys):
             stdout = "".join(f"eval ({t}): " + "  ".join(f"{k} {v:.3f}" for k, v in e.items()) + "\n"
                              for t, e in (("before", before), ("after", after)))
             (d / "evals.json").write_text(json.dumps({t: ladder.parse_eval(stdout, t) for t in ("before", "after")}))
-    args = ladder.main.__globals__["argparse"].Namespace(root=str(tmp_path), seeds=[0, 1], eval_every=5, tail=5,
+    args = argparse.Namespace(root=str(tmp_path), seeds=[0, 1], eval_every=5, tail=5,
                                                        png=str(tmp_path / "ladder.png"))
     ladder.report(args)
     rows = [x for x in capsys.readouterr().out.splitlines() if x.startswith("| ")]

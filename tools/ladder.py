@@ -25,6 +25,8 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import dapo  # noqa: E402  (the carry task's settings, data and warm-start)
 GRPO = ["--eps-high", "0.2", "--no-overlong-filtering", "--no-soft-overlong-punishment", "--no-token-level-loss",
         "--no-dynamic-sampling"]
 RUNGS = [  # (name, paper's AIME24 avg@32 for Qwen2.5-32B, flags): each rung drops one GRPO flag pair
@@ -49,8 +51,6 @@ def run_dir(args, i, seed):
 
 def settings(args):
     """The carry task's demo settings as flags (they apply only without --model)."""
-    sys.path.insert(0, ROOT)
-    import dapo
     skip = {"out_dir", "demo_sft_target"}
     carry = {**dapo.CARRY, "steps": args.steps, "eval_every": args.eval_every}
     return [x for k, v in carry.items() if k not in skip for x in (f"--{k.replace('_', '-')}", str(v))]
@@ -105,8 +105,6 @@ def first_reach(c, target):
 
 
 def report(args):
-    sys.path.insert(0, ROOT)
-    import dapo
     counts = {}
     for r in dapo.demo_task(0, "carry")[1]:
         counts[r["level"]] = counts.get(r["level"], 0) + 1
@@ -208,8 +206,6 @@ def main():
             print(" ".join(["python"] + c[1:]))
         return
     if not args.report:
-        sys.path.insert(0, ROOT)
-        import dapo
         if not os.path.exists(os.path.join(base_model(args), "config.json")):
             info = dapo.build_demo_model(base_model(args), 0, dapo.CARRY["demo_sft_target"], "carry")
             print(f"warm-start (not DAPO): {info}", flush=True)
