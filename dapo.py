@@ -40,7 +40,6 @@ import types
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 
 # -----------------------------------------------------------------------------------------
@@ -316,184 +315,23 @@ def token_logprobs(hidden, weight, targets, temperature=1.0, chunk=1024):
 
 
 # -----------------------------------------------------------------------------------------
-# Data: parquet (verl schema: DAPO-Math-17k, AIME-2024), JSONL or a .json array of rows, as
-# [{"prompt", "answer"}]. A bad file is one line naming the file, the row and the fix.
-
-DATA_FORMATS = ("give a .parquet file in the verl schema, a .jsonl file with one JSON object per line, "
-                "or a .json file holding an array of objects")
-ROW_SCHEMA = ("each row needs `prompt` (or `problem`): a string or a list of {role, content} messages, "
-              "and `answer` (or `reward_model.ground_truth`): a string or a number")
-NOT_JSON = {b"PAR1": "it is a parquet file: name it .parquet",  # what a file starts with
-            b"\x1f\x8b": "it is gzip-compressed: decompress it first (gunzip)",
-            b"PK\x03\x04": "it is a zip archive: extract it first",
-            b"\xff\xfe": "it is UTF-16 text: re-save it as UTF-8",
-            b"\xfe\xff": "it is UTF-16 text: re-save it as UTF-8"}
-
-
-def _kind(v):
-    """A value's type in the user's (JSON) words."""
-    names = {dict: "an object", list: "a list", tuple: "a list", str: "a string", bool: "a boolean",
-             int: "a number", float: "a number", bytes: "binary data", type(None): "null"}
-    return names.get(type(v), type(v).__name__)
-
-
-def _json_error(e, with_line=True):
-    """A JSON parse error in a few words."""
-    if isinstance(e, RecursionError):  # absurdly nested arrays
-        return "nested too deeply"
-    if not isinstance(e, json.JSONDecodeError):  # e.g. an integer of too many digits
-        return str(e).split(";")[0][:100]
-    where = f"line {e.lineno} column {e.colno}" if with_line else f"column {e.colno}"
-    return f"{e.msg}: {where}"
-
-
-def _read_text(path):
-    with open(path, "rb") as f:
-        data = f.read()
-    try:
-        return data.decode("utf-8-sig")  # a UTF-8 BOM is fine
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        column = e.start - data.rfind(b"\n", 0, e.start)
-        raise DapoError(f"{path} line {line} is not UTF-8 text (byte 0x{data[e.start]:02x} at column "
-                        f"{column}): re-save the file as UTF-8, e.g. iconv -f latin1 -t utf-8")
-
-
-def _jsonl_rows(path, text):
-    rows, lines = [], text.split("\n")
-    for ln, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except (ValueError, RecursionError) as e:  # RecursionError: absurdly nested arrays
-            fix = ("the file looks truncated: re-download it, or delete this last line" if ln == len(lines)
-                   else "a pretty-printed JSON array? name the file .json" if ln == 1 and line.strip() == "["
-                   else "each line must be one complete JSON object: fix or delete this line")
-            raise DapoError(f"{path} line {ln} is not valid JSON ({_json_error(e, False)}): {fix}")
-        if isinstance(row, list) and path.lower().endswith(".jsonl"):
-            raise DapoError(f"{path} row {len(rows)} (line {ln}): expected one JSON object per line, got a "
-                            f"list (a JSON array of rows goes in a .json file)")
-        rows.append((row, f"row {len(rows)} (line {ln})"))
-    return rows
-
-
-def _read_rows(path):
-    """[(row, where)] from a .parquet, .jsonl or .json file; `where` names the row (and line)."""
-    if not os.path.exists(path):
-        raise DapoError(f"data file not found: {path} ({DATA_FORMATS})")
-    if os.path.isdir(path):
-        raise DapoError(f"{path} is a directory, not a data file ({DATA_FORMATS})")
-    ext = os.path.splitext(path)[1].lower()
-    if ext not in (".parquet", ".jsonl", ".json"):
-        raise DapoError(f"unknown data format: {path} ({DATA_FORMATS})")
-    try:
-        with open(path, "rb") as f:
-            head = f.read(4096)
-    except OSError as e:
-        raise DapoError(f"cannot read {path}: {e.strerror} (check the path and its permissions)")
-    if not head.strip():
-        raise DapoError(f"{path} is empty: it has no rows ({DATA_FORMATS})")
-    if ext == ".parquet":
-        if head.lstrip()[:1] in (b"{", b"["):
-            raise DapoError(f"{path} holds JSON, not parquet: name it .jsonl (one object per line) "
-                            f"or .json (an array)")
-        import pyarrow.parquet as pq
-        try:
-            rows = pq.read_table(path).to_pylist()
-        except Exception as e:
-            why = str(e).strip().split("\n")[0][:200]
-            raise DapoError(f"cannot read parquet file {path}: {why} (is it a complete parquet file? "
-                            f"re-download or re-export it, e.g. with pandas.DataFrame.to_parquet)")
-        return [(row, f"row {i}") for i, row in enumerate(rows)]
-    wrong = next((why for magic, why in NOT_JSON.items() if head.startswith(magic)), None)
-    if wrong is None and b"\x00" in head:
-        wrong = "it is a binary file (it holds NUL bytes): give the JSON data file"
-    if wrong:
-        raise DapoError(f"{path} is not JSON text: {wrong}")
-    text = _read_text(path)
-    if ext == ".jsonl":
-        return _jsonl_rows(path, text)
-    try:
-        doc = json.loads(text)
-    except (ValueError, RecursionError) as e:
-        if isinstance(e, json.JSONDecodeError) and e.msg == "Extra data":
-            return _jsonl_rows(path, text)  # JSON Lines named .json (what datasets' to_json writes)
-        fix = ("fix the JSON at that place" if text.rstrip().endswith(("]", "}"))
-               else "the file looks truncated: re-download or re-export it")
-        raise DapoError(f"{path} is not valid JSON ({_json_error(e)}): {fix}")
-    if not isinstance(doc, list):
-        keys = ""
-        if isinstance(doc, dict):
-            keys = f" (its keys: {sorted(doc)[:8]}; if the rows are under one of them, save that array alone)"
-        raise DapoError(f"{path} holds {_kind(doc)}, not an array of rows: write it as "
-                        f"[{{\"prompt\": ..., \"answer\": ...}}, ...] or as JSON Lines (.jsonl){keys}")
-    return [(row, f"row {i}") for i, row in enumerate(doc)]
-
-
-def _check_row(row, at):
-    """{"prompt", "answer"} of one row: `prompt` (else `problem`), a string or chat messages, and
-    `reward_model.ground_truth` (else `answer`), a string or a finite number."""
-    import decimal
-    if not isinstance(row, dict):
-        raise DapoError(f"{at}: expected an object, got {_kind(row)} ({ROW_SCHEMA})")
-    missing = []
-    for names in (("prompt", "problem"), ("answer", "reward_model")):
-        if all(row.get(c) is None for c in names):
-            nulls = [c for c in names if c in row]  # a null cell: e.g. a parquet row with a gap
-            if nulls:
-                raise DapoError(f"{at}: `{nulls[0]}` is null (an empty cell): fill it in or drop the row")
-            missing.append(f"`{names[0]}`/`{names[1]}`")
-    if missing:
-        raise DapoError(f"{at}: missing columns ({' and '.join(missing)}); need `prompt` (chat messages) and "
-                        f"`reward_model.ground_truth` (verl parquet), or `prompt`/`problem` and `answer` "
-                        f"(JSONL); found {sorted(map(str, row))[:12]}")
-    name = "prompt" if row.get("prompt") is not None else "problem"
-    prompt = row[name]
-    fix = "give the question as a string, or as a list of {\"role\": ..., \"content\": ...} messages"
-    if not isinstance(prompt, (str, list)) or prompt == []:
-        raise DapoError(f"{at}: `{name}` must be a string or a non-empty list of messages, "
-                        f"got {_kind(prompt)} ({fix})")
-    for k, m in enumerate(prompt if isinstance(prompt, list) else []):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            got = f"an object with keys {sorted(map(str, m))[:6]}" if isinstance(m, dict) else _kind(m)
-            raise DapoError(f"{at}: `{name}` message {k} must be {{role, content}} with string values, "
-                            f"got {got} ({fix})")
-    text = prompt if isinstance(prompt, str) else "".join(m["content"] for m in prompt)
-    if not text.strip():
-        empty = "is empty" if isinstance(prompt, str) else "messages are all empty"
-        raise DapoError(f"{at}: `{name}` {empty} ({fix})")
-    rm = row.get("reward_model")
-    if rm is not None and not isinstance(rm, dict):
-        raise DapoError(f"{at}: `reward_model` must be an object like {{\"ground_truth\": \"42\"}}, "
-                        f"got {_kind(rm)}")
-    name = "reward_model.ground_truth" if rm and rm.get("ground_truth") is not None else "answer"
-    answer = rm["ground_truth"] if name != "answer" else row.get("answer")
-    if answer is None:
-        raise DapoError(f"{at}: `reward_model` has no `ground_truth` and the row has no `answer` "
-                        f"(give the expected final answer in one of them)")
-    if isinstance(answer, bool) or not isinstance(answer, (str, int, float, decimal.Decimal)):
-        raise DapoError(f"{at}: `{name}` must be a string or a number, got {_kind(answer)} "
-                        f"(give the expected final answer, e.g. \"42\")")
-    if isinstance(answer, (float, decimal.Decimal)) and not math.isfinite(answer):
-        raise DapoError(f"{at}: `{name}` is {answer} (give the expected final answer as a string or a "
-                        f"finite number)")
-    if not str(answer).strip():
-        raise DapoError(f"{at}: empty answer (`{name}` is blank: give the expected final answer)")
-    return {"prompt": prompt, "answer": str(answer).strip()}
-
+# Data: rows of {"prompt": str | chat messages, "answer": str}, from a parquet file in the verl schema
+# (DAPO-Math-17k, AIME-2024), JSON Lines or a .json array. tools/check_data.py reads them and checks
+# every row: a bad file stops the run with one line naming the file, the row and the fix.
 
 def load_data(path, dedup=True):
-    """Rows of {"prompt": str | chat messages, "answer": str} from a data file."""
+    """A data file's rows; dedup drops repeated prompts (DAPO-Math-17k holds each ~100 times)."""
+    from tools import check_data
+    try:
+        rows = check_data.read(path)
+    except check_data.DataError as e:
+        raise DapoError(str(e)) from e
     out, seen = [], set()
-    for row, where in _read_rows(path):
-        row = _check_row(row, f"{path} {where}")
+    for row in rows:
         key = json.dumps(row["prompt"], sort_keys=True, default=str)
         if not (dedup and key in seen):
             out.append(row)
         seen.add(key)
-    if not out:
-        raise DapoError(f"{path} has no rows ({DATA_FORMATS})")
     return out
 
 
@@ -531,13 +369,14 @@ class Sampler:
 
 
 # -----------------------------------------------------------------------------------------
-# The built-in demo: a tiny Qwen2 model, a tokenizer built in code and addition prompts in the
-# DAPO template. Everything is made on the fly, no download.
+# The built-in demo: addition prompts in the DAPO template, for a tiny Qwen2 model that
+# tools/demo_model.py builds and warm-starts. Everything is made on the fly, no download.
 
 DAPO_HEAD = ("Solve the following math problem step by step. The last line of your response should "
              "be of the form Answer: $Answer (without quotes) where $Answer is the answer to the "
              "problem.\n\n")
 DAPO_TAIL = "\n\nRemember to put your answer on its own line after \"Answer:\"."
+DEMO_TOKENS = [DAPO_HEAD, DAPO_TAIL, "Answer:"]  # single tokens: prompts stay ~10 tokens long
 
 
 def demo_task(seed=0, task="add"):
@@ -577,82 +416,6 @@ def carry_solution(a, b):
         lines.append(f"{x}+{y}{'+1' if carry else ''}={x + y + carry}")
         carry = (x + y + carry) // 10
     return "\n".join(lines + [f"Answer: {a + b}"])
-
-
-# The warm-start's settings. The stopping test costs a forward pass over 256 rows, so it runs every
-# few steps. carry: batches of one level (mixing lengths wasted the budget on padding), with a warm-up.
-WARM_START = {"add": dict(batch=128, lr=1e-3, warmup=1, check_every=5, max_steps=400),
-              "carry": dict(batch=32, lr=3e-3, warmup=50, check_every=10, max_steps=3000)}
-
-
-def build_demo_model(path, seed=0, sft_target=0.3, task="add"):
-    """Save a tiny Qwen2 (2 layers, hidden 128, head_dim 64: vLLM's CPU backend needs >= 64) and its
-    tokenizer to `path`. NOT DAPO: a random model cannot write `Answer: <n>`, so a supervised warm-start
-    stands in for pretraining, until the expected accuracy at T = 1 reaches sft_target."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-    # Character-level, written in the byte-level form Qwen2's tokenizer class expects (space is
-    # "Ġ", newline "Ċ"), since AutoTokenizer rebuilds a qwen2 model's tokenizer that way.
-    specials = ["<|pad|>", "<|endoftext|>", "<|unk|>"]
-    chars = list("0123456789+-=:.") + ["Ġ", "Ċ"]
-    vocab = {t: i for i, t in enumerate(specials + chars)}
-    tok = Tokenizer(models.BPE(vocab, merges=[], unk_token="<|unk|>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    # The template's fixed text and "Answer:" are single tokens, so prompts stay ~10 tokens.
-    tok.add_tokens([DAPO_HEAD, DAPO_TAIL, "Answer:"])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
-                                        pad_token="<|pad|>", unk_token="<|unk|>")
-    torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=32, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, head_dim=64,
-                         max_position_embeddings=128, tie_word_embeddings=True,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=tokenizer.eos_token_id, dtype="float32")
-    assert len(tokenizer) <= config.vocab_size
-    model = Qwen2ForCausalLM(config)
-    train, _ = demo_task(seed, task)
-    w = WARM_START[task]
-    levels = {}  # one level per batch
-    for r in train:
-        levels.setdefault(r.get("level", 0), []).append(r)
-    pools = [levels[k] for k in sorted(levels)]
-    g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=w["lr"])
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / w["warmup"]))
-
-    def batch(rows):
-        p = [encode_prompt(tokenizer, r["prompt"]) for r in rows]
-        eos = [tokenizer.eos_token_id]
-        a = [tokenizer(r["solution"], add_special_tokens=False)["input_ids"] + eos for r in rows]
-        T = max(len(x) + len(y) for x, y in zip(p, a))  # right-pad; pads are masked out
-        ids = torch.tensor([x + y + [tokenizer.pad_token_id] * (T - len(x) - len(y)) for x, y in zip(p, a)])
-        mask = torch.tensor([[0] * len(x) + [1] * len(y) + [0] * (T - len(x) - len(y)) for x, y in zip(p, a)])
-        return ids, mask
-
-    dev_ids, dev_mask = batch(train[:256])
-    for step in range(w["max_steps"]):
-        if step % w["check_every"] == 0:
-            with torch.no_grad():  # exact expected accuracy of sampling at T = 1
-                hidden = model.model(dev_ids).last_hidden_state[:, :-1]
-                lp = token_logprobs(hidden, model.lm_head.weight, dev_ids[:, 1:])[0]
-                acc = torch.exp((lp * dev_mask[:, 1:]).sum(1)).mean().item()
-            if acc >= sft_target:
-                break
-        pool = pools[step % len(pools)]
-        idx = torch.randint(len(pool), (w["batch"],), generator=g).tolist()
-        ids, mask = batch([pool[i] for i in idx])
-        logits = model(ids).logits[:, :-1]
-        losses = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-        loss = (losses * mask[:, 1:]).sum() / mask.sum()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sched.step()
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return {"sft_steps": step, "sft_expected_acc": acc}
 
 
 # -----------------------------------------------------------------------------------------
@@ -1522,11 +1285,13 @@ def preflight(cfg):
 
 
 def demo_model(cfg):
-    """The built-in tiny model, built and warm-started by rank 0 under out_dir."""
+    """The built-in tiny model, built and warm-started (supervised, not DAPO) by rank 0 under out_dir."""
+    from tools import demo_model as tiny
     path = os.path.join(cfg.out_dir, "base_model")
     if rank() == 0:
         t = time.perf_counter()
-        info = build_demo_model(path, cfg.seed, cfg.demo_sft_target, cfg.task)
+        info = tiny.build(path, demo_task(cfg.seed, cfg.task)[0], DEMO_TOKENS, cfg.seed,
+                                cfg.demo_sft_target, cfg.task)
         print0(f"built-in demo model: supervised warm-start (not DAPO) for {info['sft_steps']} steps "
                f"in {time.perf_counter() - t:.0f} s, expected accuracy {info['sft_expected_acc']:.2f}")
     torch.distributed.barrier()

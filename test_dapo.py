@@ -339,6 +339,7 @@ import dapo  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "tools"))
 import plan  # noqa: E402  (tools/plan.py, the memory planner)
+from tools import demo_model  # noqa: E402  (the demo's tiny model and warm-start)
 
 
 def test_import_is_cheap_and_side_effect_free():
@@ -776,9 +777,9 @@ def _grad_worker(model_dir, out_path, micro_batch_size, micro_batch_tokens=0, gr
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    """The demo's model, with a very short warm-start (enough to emit the format sometimes)."""
+    """The demo's model and tokenizer, random init (a zero target: no warm-start steps)."""
     path = str(tmp_path_factory.mktemp("tiny") / "model")
-    dapo.build_demo_model(path, seed=0, sft_target=0.0)
+    demo_model.build(path, dapo.demo_task(0)[0], dapo.DEMO_TOKENS, seed=0, sft_target=0.0)
     return path
 
 
@@ -1691,7 +1692,7 @@ def test_carry_task_solutions_levels_and_split(tmp_path):
         assert r["answer"] == str(a + b) and r["level"] == max(len(str(a)), len(str(b)))
         assert reward.is_correct(r["solution"], r["answer"])
     path = str(tmp_path)
-    dapo.build_demo_model(path, seed=0, sft_target=0.0, task="carry")  # the tokenizer only
+    demo_model.tiny_qwen2(dapo.DEMO_TOKENS)[1].save_pretrained(path)  # the demo's tokenizer
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(path)
     lengths = {n: [len(tok(r["solution"])["input_ids"]) + 1 for r in held if r["level"] == n] for n in range(1, 6)}
@@ -1854,6 +1855,30 @@ def test_malformed_data_cli_one_line_no_traceback(tmp_path):
         assert p.returncode == 2 and "Traceback" not in err, (name, err)
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and files[name] in lines[0], (name, err)
+
+
+def test_check_data_tool_runs_on_its_own(tmp_path):
+    """tools/check_data.py, which dapo.py reads data through, alone: the row counts of good files;
+    for a bad one the same one line as dapo.py's, and exit 2."""
+    good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
+    good.write_text('{"prompt": "1+1", "answer": 2}\n' * 3 + '{"problem": "2+2", "answer": "4"}\n')
+    bad.write_text('{"prompt": "1+1", "answer": true}\n')
+    run = [sys.executable, "tools/check_data.py"]
+    out = subprocess.run(run + [str(good)], cwd=HERE, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout == f"{good}: 4 rows, 2 distinct prompts\n", out
+    out = subprocess.run(run + [str(good), str(bad)], cwd=HERE, capture_output=True, text=True, timeout=60)
+    with pytest.raises(dapo.DapoError) as e:
+        dapo.load_data(str(bad))
+    assert out.returncode == 2 and out.stderr == f"error: {e.value}\n", out
+    assert "`answer` must be a string or a number, got a boolean" in out.stderr
+
+
+def test_demo_model_tool_runs_on_its_own(tmp_path):
+    """tools/demo_model.py alone builds the demo's tiny model (a zero target: no warm-start steps)."""
+    out = subprocess.run([sys.executable, "tools/demo_model.py", str(tmp_path / "m"), "--sft-target", "0"],
+                         cwd=HERE, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "supervised warm-start (not DAPO) for 0 steps" in out.stdout, out
+    assert json.load(open(tmp_path / "m" / "config.json"))["num_hidden_layers"] == 2
 
 
 def test_data_files_users_have_load(tmp_path):

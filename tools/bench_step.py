@@ -8,8 +8,9 @@ responses average ~110 tokens at a maximum of 256, ragged as DAPO's are. Dynamic
 one gradient update per rollout step (--num-mini-batches 1), the demo's micro-batch size (256
 sequences) unless --micro-batch-tokens is given. Prints the medians over --steps steps after
 --warmup steps: generation, reward, update, sync, the whole step, and the update per real
-(prompt + response) token. It only calls dapo.py's public functions, so the same script runs
-on an older checkout (copy it there) for before/after ratios in one session.
+(prompt + response) token. It only calls dapo.py's public functions (and demo_model.py beside it),
+so `cd OLD && python NEW/tools/bench_step.py` measures an older checkout: before/after ratios in
+one session.
 """
 import argparse
 import os
@@ -22,32 +23,7 @@ sys.path.insert(0, os.getcwd())  # the dapo.py of the checkout it is run from
 import torch  # noqa: E402
 
 import dapo  # noqa: E402
-
-
-def build_model(path, vocab=128, max_len=512, seed=0):
-    """The demo's tokenizer, widened to `vocab` tokens, and a random-init Qwen2 of the demo's shape."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-    specials = ["<|pad|>", "<|endoftext|>", "<|unk|>"]
-    chars = list("0123456789+-=:.") + ["Ġ", "Ċ"]
-    extra = [c for c in pre_tokenizers.ByteLevel.alphabet() if c not in chars]
-    chars += sorted(extra)[:vocab - len(specials) - len(chars) - 3]  # 3 added tokens below
-    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(specials + chars)}, merges=[], unk_token="<|unk|>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_tokens([dapo.DAPO_HEAD, dapo.DAPO_TAIL, "Answer:"])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>",
-                                        unk_token="<|unk|>")
-    assert len(tokenizer) == vocab, len(tokenizer)
-    torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=vocab, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=max_len,
-                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.eos_token_id, dtype="float32")
-    model = Qwen2ForCausalLM(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+import demo_model  # noqa: E402  (beside this file: sys.path[1] is this script's folder)
 
 
 def main():
@@ -63,7 +39,11 @@ def main():
     a = p.parse_args()
     from transformers import AutoTokenizer
     path = os.path.join(tempfile.mkdtemp(prefix="bench_step_"), "model")
-    build_model(path, max_len=16 + a.max_response_len)
+    # the demo's tokenizer, widened to 128 tokens: EOS is one token in 128
+    tokens = [dapo.DAPO_HEAD, dapo.DAPO_TAIL, "Answer:"]
+    model, tok = demo_model.tiny_qwen2(tokens, vocab=128, max_len=16 + a.max_response_len, fill=True)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
     cfg = dapo.Config(model=path, prompts_per_step=a.prompts, group_size=a.group_size, gen_batch_size=a.prompts,
                       dynamic_sampling=False, max_prompt_len=16, max_response_len=a.max_response_len,
                       overlong_cache_len=a.max_response_len // 4, num_mini_batches=1,

@@ -26,7 +26,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import dapo  # noqa: E402  (the carry task's settings, data and warm-start)
+import dapo  # noqa: E402  (the carry task's settings and data)
+from tools import demo_model  # noqa: E402  (the warm-start)
 GRPO = ["--eps-high", "0.2", "--no-overlong-filtering", "--no-soft-overlong-punishment", "--no-token-level-loss",
         "--no-dynamic-sampling"]
 RUNGS = [  # (name, paper's AIME24 avg@32 for Qwen2.5-32B, flags): each rung drops one GRPO flag pair
@@ -207,7 +208,8 @@ def main():
         return
     if not args.report:
         if not os.path.exists(os.path.join(base_model(args), "config.json")):
-            info = dapo.build_demo_model(base_model(args), 0, dapo.CARRY["demo_sft_target"], "carry")
+            rows, sft_target = dapo.demo_task(0, "carry")[0], dapo.CARRY["demo_sft_target"]
+            info = demo_model.build(base_model(args), rows, dapo.DEMO_TOKENS, 0, sft_target, "carry")
             print(f"warm-start (not DAPO): {info}", flush=True)
         for seed, c in commands(args):
             out_dir = c[c.index("--out-dir") + 1]

@@ -1,0 +1,1 @@
+"""Tools beside dapo.py: each runs on its own (python tools/NAME.py --help)."""

@@ -1,0 +1,210 @@
+"""
+check_data.py: read a DAPO data file and check every row, as dapo.py does before it trains.
+
+    python tools/check_data.py data/dapo-math-17k.parquet data/aime-2024.parquet
+
+A file is a parquet table in the verl schema (DAPO-Math-17k, AIME-2024), JSON Lines, or a .json
+array. Each row gives `prompt` (or `problem`): a string or a list of {role, content} messages, and
+`reward_model.ground_truth` (or `answer`): a string or a number. A good file prints its row count;
+a bad one prints one line naming the file, the row and the fix, and exits 2.
+"""
+
+import json
+import math
+import os
+import sys
+
+
+class DataError(ValueError):
+    """A data file that cannot be trained on; the message names the file, the row and the fix."""
+
+
+DATA_FORMATS = ("give a .parquet file in the verl schema, a .jsonl file with one JSON object per line, "
+                "or a .json file holding an array of objects")
+ROW_SCHEMA = ("each row needs `prompt` (or `problem`): a string or a list of {role, content} messages, "
+              "and `answer` (or `reward_model.ground_truth`): a string or a number")
+NOT_JSON = {b"PAR1": "it is a parquet file: name it .parquet",  # what a file starts with
+            b"\x1f\x8b": "it is gzip-compressed: decompress it first (gunzip)",
+            b"PK\x03\x04": "it is a zip archive: extract it first",
+            b"\xff\xfe": "it is UTF-16 text: re-save it as UTF-8",
+            b"\xfe\xff": "it is UTF-16 text: re-save it as UTF-8"}
+
+
+def _kind(v):
+    """A value's type in the user's (JSON) words."""
+    names = {dict: "an object", list: "a list", tuple: "a list", str: "a string", bool: "a boolean",
+             int: "a number", float: "a number", bytes: "binary data", type(None): "null"}
+    return names.get(type(v), type(v).__name__)
+
+
+def _json_error(e, with_line=True):
+    """A JSON parse error in a few words."""
+    if isinstance(e, RecursionError):  # absurdly nested arrays
+        return "nested too deeply"
+    if not isinstance(e, json.JSONDecodeError):  # e.g. an integer of too many digits
+        return str(e).split(";")[0][:100]
+    where = f"line {e.lineno} column {e.colno}" if with_line else f"column {e.colno}"
+    return f"{e.msg}: {where}"
+
+
+def _read_text(path):
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return data.decode("utf-8-sig")  # a UTF-8 BOM is fine
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - data.rfind(b"\n", 0, e.start)
+        raise DataError(f"{path} line {line} is not UTF-8 text (byte 0x{data[e.start]:02x} at column "
+                        f"{column}): re-save the file as UTF-8, e.g. iconv -f latin1 -t utf-8")
+
+
+def _jsonl_rows(path, text):
+    rows, lines = [], text.split("\n")
+    for ln, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except (ValueError, RecursionError) as e:  # RecursionError: absurdly nested arrays
+            fix = ("the file looks truncated: re-download it, or delete this last line" if ln == len(lines)
+                   else "a pretty-printed JSON array? name the file .json" if ln == 1 and line.strip() == "["
+                   else "each line must be one complete JSON object: fix or delete this line")
+            raise DataError(f"{path} line {ln} is not valid JSON ({_json_error(e, False)}): {fix}")
+        if isinstance(row, list) and path.lower().endswith(".jsonl"):
+            raise DataError(f"{path} row {len(rows)} (line {ln}): expected one JSON object per line, got a "
+                            f"list (a JSON array of rows goes in a .json file)")
+        rows.append((row, f"row {len(rows)} (line {ln})"))
+    return rows
+
+
+def read_rows(path):
+    """[(row, where)] from a .parquet, .jsonl or .json file; `where` names the row (and line)."""
+    if not os.path.exists(path):
+        raise DataError(f"data file not found: {path} ({DATA_FORMATS})")
+    if os.path.isdir(path):
+        raise DataError(f"{path} is a directory, not a data file ({DATA_FORMATS})")
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in (".parquet", ".jsonl", ".json"):
+        raise DataError(f"unknown data format: {path} ({DATA_FORMATS})")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e.strerror} (check the path and its permissions)")
+    if not head.strip():
+        raise DataError(f"{path} is empty: it has no rows ({DATA_FORMATS})")
+    if ext == ".parquet":
+        if head.lstrip()[:1] in (b"{", b"["):
+            raise DataError(f"{path} holds JSON, not parquet: name it .jsonl (one object per line) "
+                            f"or .json (an array)")
+        import pyarrow.parquet as pq
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except Exception as e:
+            why = str(e).strip().split("\n")[0][:200]
+            raise DataError(f"cannot read parquet file {path}: {why} (is it a complete parquet file? "
+                            f"re-download or re-export it, e.g. with pandas.DataFrame.to_parquet)")
+        return [(row, f"row {i}") for i, row in enumerate(rows)]
+    wrong = next((why for magic, why in NOT_JSON.items() if head.startswith(magic)), None)
+    if wrong is None and b"\x00" in head:
+        wrong = "it is a binary file (it holds NUL bytes): give the JSON data file"
+    if wrong:
+        raise DataError(f"{path} is not JSON text: {wrong}")
+    text = _read_text(path)
+    if ext == ".jsonl":
+        return _jsonl_rows(path, text)
+    try:
+        doc = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        if isinstance(e, json.JSONDecodeError) and e.msg == "Extra data":
+            return _jsonl_rows(path, text)  # JSON Lines named .json (what datasets' to_json writes)
+        fix = ("fix the JSON at that place" if text.rstrip().endswith(("]", "}"))
+               else "the file looks truncated: re-download or re-export it")
+        raise DataError(f"{path} is not valid JSON ({_json_error(e)}): {fix}")
+    if not isinstance(doc, list):
+        keys = ""
+        if isinstance(doc, dict):
+            keys = f" (its keys: {sorted(doc)[:8]}; if the rows are under one of them, save that array alone)"
+        raise DataError(f"{path} holds {_kind(doc)}, not an array of rows: write it as "
+                        f"[{{\"prompt\": ..., \"answer\": ...}}, ...] or as JSON Lines (.jsonl){keys}")
+    return [(row, f"row {i}") for i, row in enumerate(doc)]
+
+
+def check_row(row, at):
+    """{"prompt", "answer"} of one row: `prompt` (else `problem`), a string or chat messages, and
+    `reward_model.ground_truth` (else `answer`), a string or a finite number."""
+    import decimal
+    if not isinstance(row, dict):
+        raise DataError(f"{at}: expected an object, got {_kind(row)} ({ROW_SCHEMA})")
+    missing = []
+    for names in (("prompt", "problem"), ("answer", "reward_model")):
+        if all(row.get(c) is None for c in names):
+            nulls = [c for c in names if c in row]  # a null cell: e.g. a parquet row with a gap
+            if nulls:
+                raise DataError(f"{at}: `{nulls[0]}` is null (an empty cell): fill it in or drop the row")
+            missing.append(f"`{names[0]}`/`{names[1]}`")
+    if missing:
+        raise DataError(f"{at}: missing columns ({' and '.join(missing)}); need `prompt` (chat messages) and "
+                        f"`reward_model.ground_truth` (verl parquet), or `prompt`/`problem` and `answer` "
+                        f"(JSONL); found {sorted(map(str, row))[:12]}")
+    name = "prompt" if row.get("prompt") is not None else "problem"
+    prompt = row[name]
+    fix = "give the question as a string, or as a list of {\"role\": ..., \"content\": ...} messages"
+    if not isinstance(prompt, (str, list)) or prompt == []:
+        raise DataError(f"{at}: `{name}` must be a string or a non-empty list of messages, "
+                        f"got {_kind(prompt)} ({fix})")
+    for k, m in enumerate(prompt if isinstance(prompt, list) else []):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            got = f"an object with keys {sorted(map(str, m))[:6]}" if isinstance(m, dict) else _kind(m)
+            raise DataError(f"{at}: `{name}` message {k} must be {{role, content}} with string values, "
+                            f"got {got} ({fix})")
+    text = prompt if isinstance(prompt, str) else "".join(m["content"] for m in prompt)
+    if not text.strip():
+        empty = "is empty" if isinstance(prompt, str) else "messages are all empty"
+        raise DataError(f"{at}: `{name}` {empty} ({fix})")
+    rm = row.get("reward_model")
+    if rm is not None and not isinstance(rm, dict):
+        raise DataError(f"{at}: `reward_model` must be an object like {{\"ground_truth\": \"42\"}}, "
+                        f"got {_kind(rm)}")
+    name = "reward_model.ground_truth" if rm and rm.get("ground_truth") is not None else "answer"
+    answer = rm["ground_truth"] if name != "answer" else row.get("answer")
+    if answer is None:
+        raise DataError(f"{at}: `reward_model` has no `ground_truth` and the row has no `answer` "
+                        f"(give the expected final answer in one of them)")
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float, decimal.Decimal)):
+        raise DataError(f"{at}: `{name}` must be a string or a number, got {_kind(answer)} "
+                        f"(give the expected final answer, e.g. \"42\")")
+    if isinstance(answer, (float, decimal.Decimal)) and not math.isfinite(answer):
+        raise DataError(f"{at}: `{name}` is {answer} (give the expected final answer as a string or a "
+                        f"finite number)")
+    if not str(answer).strip():
+        raise DataError(f"{at}: empty answer (`{name}` is blank: give the expected final answer)")
+    return {"prompt": prompt, "answer": str(answer).strip()}
+
+
+def read(path):
+    """[{"prompt": str | chat messages, "answer": str}]: every row of the file, checked."""
+    rows = [check_row(row, f"{path} {where}") for row, where in read_rows(path)]
+    if not rows:
+        raise DataError(f"{path} has no rows ({DATA_FORMATS})")
+    return rows
+
+
+def main(paths):
+    for path in paths:
+        try:
+            rows = read(path)
+        except DataError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        unique = len({json.dumps(r["prompt"], sort_keys=True, default=str) for r in rows})
+        print(f"{path}: {len(rows)} rows, {unique} distinct prompts")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__.strip())
+        sys.exit(0 if len(sys.argv) > 1 else 2)
+    sys.exit(main(sys.argv[1:]))
