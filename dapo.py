@@ -1477,27 +1477,18 @@ _RUN = {}  # train() keeps the step in progress and its progress bar here, for t
 def _kill_children():
     """Kill every process this one started, grandchildren included (reward workers, and whatever
     vLLM or torch spawned): all are found first, since a kill re-parents grandchildren."""
-    pool = sys.modules.get("reward")
-    if pool is not None and hasattr(pool, "close_pool"):
-        pool.close_pool()
     parent = {}
     for pid in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        try:
+        with contextlib.suppress(OSError, ValueError, IndexError):
             with open(f"/proc/{pid}/stat") as f:
                 parent[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-    family = {os.getpid()}
-    while True:
-        children = {p for p, pp in parent.items() if pp in family} - family
-        if not children:
-            break
-        family |= children
+    family, new = set(), {os.getpid()}
+    while new:
+        family |= new
+        new = {p for p, pp in parent.items() if pp in family} - family
     for pid in family - {os.getpid()}:
-        try:
+        with contextlib.suppress(OSError):
             os.kill(pid, 9)  # SIGKILL
-        except OSError:
-            pass
 
 
 def _resume_command(argv):
@@ -1521,27 +1512,22 @@ def _exit_interrupted(cfg):
     running. os.write and os._exit: safe from any thread, and never stuck on vLLM's or torch's threads."""
     if os.environ.get("RANK", "0") == "0" and not _RUN.get("said"):
         _RUN["said"] = True
-        step = _RUN.get("step")
-        ckpt = None if cfg.eval_only else latest_checkpoint(cfg.out_dir)
-        where = f"interrupted at step {step} of {cfg.steps}" if step else "interrupted during start-up"
+        step, ckpt = _RUN.get("step"), latest_checkpoint(cfg.out_dir)
+        msg = f"interrupted at step {step} of {cfg.steps}" if step else "interrupted during start-up"
         if cfg.eval_only:
             msg = "interrupted during evaluation"
         elif ckpt:
-            msg = f"{where}; last complete checkpoint: {ckpt} (resume with: {_RUN['resume']})"
+            msg += f"; last complete checkpoint: {ckpt} (resume with: {_RUN['resume']})"
         else:
-            msg = f"{where}; no checkpoint saved yet (--save-every N saves one every N steps)"
+            msg += "; no checkpoint saved yet (--save-every N saves one every N steps)"
         bar = _RUN.get("bar")
         newline = "\n" if bar is not None and not bar.disable else ""  # end tqdm's half-drawn line
-        try:
+        with contextlib.suppress(OSError):
             os.write(2, f"{newline}{msg}\n".encode())
-        except OSError:
-            pass
     _kill_children()
     for f in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(Exception):
             f.flush()
-        except Exception:
-            pass
     os._exit(130)
 
 
