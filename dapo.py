@@ -23,8 +23,10 @@ after every update the new weights are pushed into vLLM.
     python tools/plan.py --model ...                # what each GPU and node will hold
 
 File layout, in the order it runs: config -> the DAPO maths -> data -> the built-in demo ->
-engine and weight sync -> rollout -> update -> evaluation -> checkpoints -> the loop (Algorithm 1).
-Comment tags: `# DAPO (...)` marks a paper technique, `# PLUMBING` marks FSDP/vLLM details.
+engine and weight sync -> rollout -> update -> evaluation -> checkpoints -> the loop (Algorithm 1)
+-> Ctrl-C. Comment tags: `# DAPO (...)` marks a paper technique, `# PLUMBING` marks FSDP/vLLM details.
+Beside it: reward.py (the answer checker), tools/check_data.py (reads and checks data files) and
+tools/demo_model.py (the demo's tiny model and its warm-start).
 """
 
 import contextlib
