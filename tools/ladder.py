@@ -10,11 +10,11 @@ as one pretrained model is in the paper; the seeds vary the RL sampling (and the
 the carry task's fixed one), so the spread over seeds is the noise of RL alone.
 
     python tools/ladder.py                    # 6 rungs x 3 seeds (~1.5 hours on 2 CPU cores)
-    python tools/ladder.py --report           # only rebuild the table and ladder.png from runs/ladder
+    python tools/ladder.py --report           # only rebuild the table and tools/ladder.png from runs/ladder
     python tools/ladder.py --print-commands   # the command lines, to run them elsewhere
 
 The report compares rungs per rollout step AND per generated response (dynamic sampling
-generates more per step). matplotlib is optional: with it, --report also draws ladder.png.
+generates more per step). matplotlib is optional: with it, --report also draws tools/ladder.png.
 """
 
 import argparse
@@ -197,7 +197,7 @@ def main():
     p.add_argument("--eval-every", type=int, default=15)
     p.add_argument("--tail", type=int, default=25, help="rollout steps averaged for the per-step metrics")
     p.add_argument("--root", default=os.path.join(ROOT, "runs", "ladder"))
-    p.add_argument("--png", default=os.path.join(ROOT, "ladder.png"), help="where --report draws the curves")
+    p.add_argument("--png", default=os.path.join(ROOT, "tools", "ladder.png"), help="where --report draws the curves")
     p.add_argument("--report", action="store_true")
     p.add_argument("--print-commands", action="store_true")
     p.add_argument("extra", nargs="*", help="more dapo.py flags for every rung (after --)")
