@@ -838,8 +838,8 @@ def collate(samples, pad_id, device, overlong_filtering):
     """Packed rows, no compute on padding: sequences (prompt + response) are bin-packed into rows as
     long as the longest one, with position_ids restarting at 0 per sequence, from which transformers
     reads the boundaries (attention_mask=None): attention never crosses sequences. "index": the flat
-    positions predicting the response tokens "targets"; "slots": where each lands in the loss's (B, R)
-    layout; "mask" (B, R): every response token, EOS included (never derived from pad ids)."""
+    positions predicting the response tokens "targets", "lengths" of them per sample; "mask" (B, R):
+    every response token, EOS included (never derived from pad ids)."""
     lens = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
     L = max(lens)
     rows = first_fit_decreasing(lens, L)
@@ -857,16 +857,13 @@ def collate(samples, pad_id, device, overlong_filtering):
         pos[r, at:] = torch.arange(L - at)  # the row's tail: a pad sequence of its own
     n = [len(s["response_ids"]) for s in samples]
     index = torch.cat([torch.arange(k) + st for k, st in zip(n, start)])
-    slots = (torch.repeat_interleave(torch.arange(len(samples)), torch.tensor(n)),
-             torch.cat([torch.arange(k) for k in n]))
     mask = (torch.arange(max(n)) < torch.tensor(n)[:, None]).float()
     mask[torch.tensor([s.get("dummy", False) for s in samples])] = 0.0  # padding micro-batches
     if overlong_filtering:  # DAPO (overlong filtering, Sec. 3.4): truncated samples teach nothing
         mask[torch.tensor([s["truncated"] for s in samples])] = 0.0
     targets = torch.cat([torch.tensor(list(s["response_ids"]), dtype=torch.long) for s in samples])
     return {"input_ids": ids.to(device), "position_ids": pos.to(device), "index": index.to(device),
-            "targets": targets.to(device), "slots": tuple(t.to(device) for t in slots),
-            "mask": mask.to(device)}
+            "targets": targets.to(device), "lengths": n, "mask": mask.to(device)}
 
 
 def forward_logprobs(model, batch, temperature, chunk):
@@ -878,8 +875,9 @@ def forward_logprobs(model, batch, temperature, chunk):
                          attention_mask=None, use_cache=False).last_hidden_state
     hidden = hidden.flatten(0, 1)[batch["index"]].unsqueeze(0)  # (1, N, h): the N response tokens
     lp, ent = token_logprobs(hidden, model.lm_head.weight, batch["targets"].unsqueeze(0), temperature, chunk)
-    out = lp.new_zeros(batch["mask"].shape)  # back to (B, R); index_put out of place keeps autograd
-    return out.index_put(batch["slots"], lp[0]), out.index_put(batch["slots"], ent[0])
+    pad = torch.nn.utils.rnn.pad_sequence  # back to (B, R), zeros beyond each response
+    return (pad(lp[0].split(batch["lengths"]), batch_first=True),
+            pad(ent[0].split(batch["lengths"]), batch_first=True))
 
 
 def pack_by_tokens(samples, budget):
@@ -927,14 +925,6 @@ def old_logprobs(model, plan, cfg, pad_id, device):
                 _keep_old_logprobs(mb, lp)
 
 
-def _left_aligned(values, like):
-    """Per-sample token values in a zero (B, R) tensor like `like`."""
-    out = torch.zeros_like(like)
-    for i, v in enumerate(values):
-        out[i, :len(v)] = torch.as_tensor(v, device=out.device)
-    return out
-
-
 # What policy_gradient sums per rank: trained tokens, the loss, then token means (times tokens)
 STATS = ("tokens", "loss", "clip/low_frac", "clip/high_frac", "approx_kl", "entropy", "tis/weight_mean",
          "tis/clipped_frac")
@@ -953,10 +943,11 @@ def policy_gradient(model, mini, micros, cfg, pad_id, device, first=False):
         logp, ent = model.forward_logprobs(b, cfg.temperature, cfg.logprob_chunk)
         if first:  # the policy is still π_θold
             _keep_old_logprobs(mb, logp)
-        old = _left_aligned([s["old_logp"] for s in mb], logp)
+        pad = torch.nn.utils.rnn.pad_sequence  # per-sample values -> (B, R), zero beyond each response
+        old = pad([s["old_logp"] for s in mb], batch_first=True).to(device)
         tis, st = None, {}
         if cfg.tis_cap:  # correct for vLLM's sampling distribution (off by default: the paper's objective)
-            rollout = _left_aligned([s["vllm_logp"] for s in mb], logp)
+            rollout = pad([torch.tensor(s["vllm_logp"]) for s in mb], batch_first=True).to(device)
             tis, st = tis_weights(old, rollout, b["mask"], cfg.tis_cap)
         adv = torch.tensor([s["adv"] for s in mb], device=device)
         loss, clip_st = dapo_loss(logp, old, adv, b["mask"], cfg.eps_low, cfg.eps_high, num_tokens=num_tokens,

@@ -426,7 +426,7 @@ def _toy_samples():
 def test_mask_excludes_padding_includes_eos():
     b = dapo.collate(_toy_samples(), pad_id=1, device="cpu", overlong_filtering=False)  # pad == EOS on purpose
     assert b["mask"].tolist() == [[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
-    targets = torch.zeros(3, 4, dtype=torch.long).index_put(b["slots"], b["targets"])   # in the loss's (B, R) layout
+    targets = torch.nn.utils.rnn.pad_sequence(b["targets"].split(b["lengths"]), batch_first=True)  # (B, R)
     assert targets[0, 2].item() == 1 and targets[1, 1].item() == 1           # EOS is trained on
     assert b["input_ids"].tolist() == [[5, 6, 7, 8, 9, 1], [5, 6, 8, 9, 9, 9], [5, 8, 1, 1, 1, 1]]   # packed rows, pad at the end
     assert b["position_ids"][2].tolist() == [0, 1, 2, 0, 1, 2]              # positions as vLLM counts them; the tail apart
