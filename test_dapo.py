@@ -2173,3 +2173,18 @@ def test_ladder_report_compares_per_step_and_per_response(tmp_path, capsys):
     assert grpo[5] == "20 (2/2)" and full[5] == "10 (2/2)"             # steps to reach GRPO's final 0.4
     assert float(grpo[6]) == 20 * 256 and float(full[6]) == 10 * 768  # responses generated to reach it
     assert grpo[7] == "0.400" and full[7] == "0.350"  # at GRPO's 5,120 responses DAPO was at step 5: 0.35
+
+
+def test_dapo_py_reads_in_one_sitting():
+    """Issue 16's measurable parts: no line of dapo.py over 110 characters, train() about one screen,
+    every DAPO equation findable by `Eq.`, and each tool in tools/ runs on its own."""
+    import ast
+    src = open(os.path.join(HERE, "dapo.py")).read()
+    assert max(len(line) for line in src.splitlines()) <= 110
+    train = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == "train")
+    assert train.end_lineno - train.lineno + 1 <= 65
+    assert all(f"Eq. {n}" in src for n in (7, 9, 10, 11, 12, 13))
+    for tool in ("check_data", "demo_model", "plan", "ladder", "bench_step"):
+        out = subprocess.run([sys.executable, os.path.join("tools", f"{tool}.py"), "--help"], cwd=HERE,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and len(out.stdout.splitlines()) > 3, (tool, out.stderr[-2000:])
