@@ -42,6 +42,7 @@ import types
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 
 # -----------------------------------------------------------------------------------------
@@ -322,19 +323,13 @@ def token_logprobs(hidden, weight, targets, temperature=1.0, chunk=1024):
 # every row: a bad file stops the run with one line naming the file, the row and the fix.
 
 def load_data(path, dedup=True):
-    """A data file's rows; dedup drops repeated prompts (DAPO-Math-17k holds each ~100 times)."""
+    """A data file's rows; dedup keeps the first of repeated prompts (DAPO-Math-17k repeats each ~100x)."""
     from tools import check_data
     try:
         rows = check_data.read(path)
     except check_data.DataError as e:
         raise DapoError(str(e)) from e
-    out, seen = [], set()
-    for row in rows:
-        key = json.dumps(row["prompt"], sort_keys=True, default=str)
-        if not (dedup and key in seen):
-            out.append(row)
-        seen.add(key)
-    return out
+    return check_data.distinct(rows) if dedup else rows
 
 
 def encode_prompt(tokenizer, prompt):
@@ -526,10 +521,8 @@ def load_policy(cfg, path, device, weights=True):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32,
                                                  attn_implementation="sdpa")
     model.eval()  # as from_pretrained leaves it
-    try:  # from_config alone would drop generation_config.json (its eos_token_id list is vLLM's stop set)
+    with contextlib.suppress(OSError):  # from_config alone drops generation_config.json (vLLM's stop set)
         model.generation_config = GenerationConfig.from_pretrained(path)
-    except OSError:
-        pass
     model.config.use_cache = False
     if cfg.grad_checkpointing:  # only each layer's input is kept; the rest is recomputed in backward
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -875,9 +868,9 @@ def forward_logprobs(model, batch, temperature, chunk):
                          attention_mask=None, use_cache=False).last_hidden_state
     hidden = hidden.flatten(0, 1)[batch["index"]].unsqueeze(0)  # (1, N, h): the N response tokens
     lp, ent = token_logprobs(hidden, model.lm_head.weight, batch["targets"].unsqueeze(0), temperature, chunk)
-    pad = torch.nn.utils.rnn.pad_sequence  # back to (B, R), zeros beyond each response
-    return (pad(lp[0].split(batch["lengths"]), batch_first=True),
-            pad(ent[0].split(batch["lengths"]), batch_first=True))
+    # back to (B, R), zeros beyond each response
+    return (pad_sequence(lp[0].split(batch["lengths"]), batch_first=True),
+            pad_sequence(ent[0].split(batch["lengths"]), batch_first=True))
 
 
 def pack_by_tokens(samples, budget):
@@ -943,11 +936,10 @@ def policy_gradient(model, mini, micros, cfg, pad_id, device, first=False):
         logp, ent = model.forward_logprobs(b, cfg.temperature, cfg.logprob_chunk)
         if first:  # the policy is still π_θold
             _keep_old_logprobs(mb, logp)
-        pad = torch.nn.utils.rnn.pad_sequence  # per-sample values -> (B, R), zero beyond each response
-        old = pad([s["old_logp"] for s in mb], batch_first=True).to(device)
+        old = pad_sequence([s["old_logp"] for s in mb], batch_first=True).to(device)  # (B, R)
         tis, st = None, {}
         if cfg.tis_cap:  # correct for vLLM's sampling distribution (off by default: the paper's objective)
-            rollout = pad([torch.tensor(s["vllm_logp"]) for s in mb], batch_first=True).to(device)
+            rollout = pad_sequence([torch.tensor(s["vllm_logp"]) for s in mb], batch_first=True).to(device)
             tis, st = tis_weights(old, rollout, b["mask"], cfg.tis_cap)
         adv = torch.tensor([s["adv"] for s in mb], device=device)
         loss, clip_st = dapo_loss(logp, old, adv, b["mask"], cfg.eps_low, cfg.eps_high, num_tokens=num_tokens,

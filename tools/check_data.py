@@ -191,6 +191,14 @@ def read(path):
     return rows
 
 
+def distinct(rows):
+    """The first row of each prompt (DAPO-Math-17k holds each one ~100 times)."""
+    first = {}
+    for row in rows:
+        first.setdefault(json.dumps(row["prompt"], sort_keys=True, default=str), row)
+    return list(first.values())
+
+
 def main(paths):
     for path in paths:
         try:
@@ -198,8 +206,7 @@ def main(paths):
         except DataError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        unique = len({json.dumps(r["prompt"], sort_keys=True, default=str) for r in rows})
-        print(f"{path}: {len(rows)} rows, {unique} distinct prompts")
+        print(f"{path}: {len(rows)} rows, {len(distinct(rows))} distinct prompts")
     return 0
 
 

@@ -53,13 +53,10 @@ def tiny_qwen2(added_tokens, vocab=32, max_len=128, seed=0, fill=False):
     return model, tokenizer
 
 
-def expected_accuracy(model, ids, mask):
-    """The exact expected accuracy of sampling at T = 1: the mean probability of the solutions."""
-    with torch.no_grad():
-        hidden = model.model(ids).last_hidden_state[:, :-1]
-        logits = hidden.float() @ model.lm_head.weight.float().T
-        lp = logits.gather(-1, ids[:, 1:, None])[..., 0] - torch.logsumexp(logits, -1)
-        return torch.exp((lp * mask[:, 1:]).sum(1)).mean().item()
+def token_nll(model, ids):
+    """-log p of each next token of ids, (B, T - 1)."""
+    logits = model(ids).logits[:, :-1]
+    return F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
 
 
 def build(path, rows, added_tokens, seed=0, sft_target=0.3, task="add"):
@@ -87,15 +84,14 @@ def build(path, rows, added_tokens, seed=0, sft_target=0.3, task="add"):
     dev_ids, dev_mask = batch(rows[:256])
     for step in range(w["max_steps"]):
         if step % w["check_every"] == 0:
-            acc = expected_accuracy(model, dev_ids, dev_mask)
+            with torch.no_grad():  # exact expected accuracy of sampling at T = 1
+                acc = torch.exp(-(token_nll(model, dev_ids) * dev_mask[:, 1:]).sum(1)).mean().item()
             if acc >= sft_target:
                 break
         pool = pools[step % len(pools)]
         idx = torch.randint(len(pool), (w["batch"],), generator=g).tolist()
         ids, mask = batch([pool[i] for i in idx])
-        logits = model(ids).logits[:, :-1]
-        losses = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-        loss = (losses * mask[:, 1:]).sum() / mask.sum()
+        loss = (token_nll(model, ids) * mask[:, 1:]).sum() / mask.sum()
         opt.zero_grad()
         loss.backward()
         opt.step()
