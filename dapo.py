@@ -22,11 +22,10 @@ after every update the new weights are pushed into vLLM.
     bash run_32b.sh                                 # the paper's 32B run, multi-node
     python tools/plan.py --model ...                # what each GPU and node will hold
 
-File layout, in the order it runs: config -> the DAPO maths -> data -> the built-in demo ->
-engine and weight sync -> rollout -> update -> evaluation -> checkpoints -> the loop (Algorithm 1)
--> Ctrl-C. Comment tags: `# DAPO (...)` marks a paper technique, `# PLUMBING` marks FSDP/vLLM details.
-Beside it: reward.py (the answer checker), tools/check_data.py (reads and checks data files) and
-tools/demo_model.py (the demo's tiny model and its warm-start).
+Read Part 1: it is DAPO, in the order it runs: the config, the maths (Eqs. 9-13), train() (the paper's
+Algorithm 1), the rollout and its filter, the update, evaluation. Part 2, below its banner, is the
+plumbing (FSDP2, vLLM, checkpoints, checks, Ctrl-C); a function it provides is named where it is used.
+Beside this file: reward.py (the answer checker, Eq. 7) and tools/ (data checker, demo model, planner).
 """
 
 import contextlib
@@ -45,7 +44,9 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 
-# -----------------------------------------------------------------------------------------
+# =========================================================================================
+# Part 1: DAPO
+# =========================================================================================
 # Config: every field becomes a flag (`eps_high` -> --eps-high); its comment is the --help text.
 
 @dataclass
@@ -126,100 +127,6 @@ CARRY = dict(DEMO, prompts_per_step=32, gen_batch_size=48, max_response_len=96, 
              lr=2e-4, steps=75, eval_every=25, demo_sft_target=0.25, out_dir="runs/carry")
 
 
-def parse_config(argv=None, cls=Config):
-    """Flags generated from Config (or a subclass: tools/plan.py's); a field's comment is its help."""
-    import argparse
-    import inspect
-    source = "".join(inspect.getsource(c) for c in cls.__mro__ if dataclasses.is_dataclass(c))
-    helps = dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", source, re.M))
-    p = argparse.ArgumentParser(description=sys.modules[cls.__module__].__doc__.strip().split("\n\n")[0])
-    for f in dataclasses.fields(cls):
-        flag = "--" + f.name.replace("_", "-")
-        demo = f"; demo: {DEMO[f.name]!r}" if f.name in DEMO else ""
-        help = f"{helps.get(f.name, '')} (default: {f.default!r}{demo})".replace("%", "%%")
-        if isinstance(f.default, bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help)
-        else:
-            p.add_argument(flag, type=type(f.default), default=None, help=help)
-    given = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
-    cfg = cls(**given)
-    if not cfg.model:  # the built-in demo: its own settings, unless given explicitly
-        for k, v in (CARRY if cfg.task == "carry" else DEMO).items():
-            if k not in given:
-                setattr(cfg, k, v)
-    return cfg
-
-
-class DapoError(Exception):
-    """A problem with the user's input or set-up; main() prints it as one line."""
-
-
-# -----------------------------------------------------------------------------------------
-# Distributed helpers
-
-def rank():
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
-
-def world():
-    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-
-
-def _compute_device():
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def print0(*a, **k):
-    if rank() == 0:
-        print(*a, **k, flush=True)
-
-
-def init_distributed(timeout_min=Config.collective_timeout_min):
-    """torchrun sets RANK/WORLD_SIZE/...; plain `python dapo.py` becomes a world of one. The timeout
-    bounds every collective of this group; vLLM's own TP groups keep torch's (they run in lockstep)."""
-    if not timeout_min > 0:
-        raise DapoError(f"--collective-timeout-min must be positive (got {timeout_min})")
-    from datetime import timedelta
-    if "RANK" not in os.environ:  # PLUMBING: vLLM's external_launcher reads these too
-        import socket
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(port))
-    backend = "gloo"
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        backend = "cpu:gloo,cuda:nccl"
-    torch.distributed.init_process_group(backend, timeout=timedelta(minutes=timeout_min))
-    return _compute_device()
-
-
-def all_gather_objects(obj):
-    """Every rank's obj, and the bytes this rank received (each pickle is padded to the largest)."""
-    import pickle
-    out = [None] * world()
-    torch.distributed.all_gather_object(out, obj)
-    return out, (world() - 1) * (max(len(pickle.dumps(o)) for o in out) + 8)
-
-
-def all_to_all_objects(outgoing):
-    """outgoing[r] goes to rank r. Returns what each rank sent to this one, and the bytes received.
-    PLUMBING: pickles travel as CPU byte tensors (gloo on a cpu:gloo,cuda:nccl group), sizes first."""
-    import pickle
-    blobs = [pickle.dumps(o) for o in outgoing]
-    sizes = torch.tensor([len(b) for b in blobs])
-    in_sizes = torch.empty_like(sizes)
-    torch.distributed.all_to_all_single(in_sizes, sizes)
-    data = torch.empty(int(in_sizes.sum()), dtype=torch.uint8)
-    sent = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8)
-    torch.distributed.all_to_all_single(data, sent, in_sizes.tolist(), sizes.tolist())
-    nbytes = sum(in_sizes.tolist()) - in_sizes[rank()].item() + 8 * (world() - 1)
-    return [pickle.loads(p.numpy().tobytes()) for p in data.split(in_sizes.tolist())], nbytes
-
-
 # -----------------------------------------------------------------------------------------
 # The DAPO maths: pure functions, tensors in, tensors out.
 
@@ -245,33 +152,31 @@ def dynamic_sampling_mask(correct, group_size):
     return (n > 0) & (n < group_size)
 
 
-def dapo_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.28, num_tokens=None,
-              token_level=True, num_samples=None, dual_clip=0.0, tis_weight=None):
-    """Eq. 10/12, the decoupled-clip surrogate as a loss to minimise; logp, old_logp, mask: (B, T).
-    With the global num_tokens / num_samples (all micro-batches and ranks) the micro-batch losses
-    add up exactly to the full batch's. Returns (loss, clip fractions and approx_kl)."""
-    mask = mask.float()
-    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+def dapo_loss(logp, old_logp, advantages, mask, cfg, norm, tis_weight=None):
+    """Eq. 10/12, the decoupled-clip surrogate as a loss to minimise; logp, old_logp, mask: (B, T),
+    advantages: (B,). norm = (per_sample, n) from loss_normaliser: the loss is the sum of the token losses
+    (first averaged within each sample if per_sample) divided by n, a count over the WHOLE mini-batch, so
+    that the micro-batch losses add up exactly to the mini-batch's. Returns (loss, clip fractions, KL)."""
+    adv = advantages.unsqueeze(-1)
     log_ratio = torch.where(mask.bool(), logp - old_logp, 0.0)  # padding never reaches exp()
     log_ratio = log_ratio.clamp(-20.0, 20.0)  # as verl: a wild token cannot overflow exp()
     ratio = torch.exp(log_ratio)
+    lo, hi = 1 - cfg.eps_low, 1 + cfg.eps_high
     # DAPO (Clip-Higher): the upper clip 1 + eps_high is decoupled from the lower 1 - eps_low
-    per_token = -torch.min(ratio * adv, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv)
-    if dual_clip:  # dual-clip PPO: the loss of an A < 0 token is at most -c A
-        per_token = torch.where(adv < 0, torch.minimum(per_token, -dual_clip * adv), per_token)
+    per_token = -torch.min(ratio * adv, torch.clamp(ratio, lo, hi) * adv)
+    if cfg.dual_clip:  # dual-clip PPO: the loss of an A < 0 token is at most -c A
+        per_token = torch.where(adv < 0, torch.minimum(per_token, -cfg.dual_clip * adv), per_token)
     if tis_weight is not None:
         per_token = per_token * tis_weight
-    if token_level:  # DAPO (token-level loss, Eq. 12): every token weighs the same
-        n = mask.sum() if num_tokens is None else num_tokens
-        loss = (per_token * mask).sum() / max(float(n), 1.0)
-    else:  # GRPO: each sample weighs the same, whatever its length
-        per_sample = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-        n = mask.shape[0] if num_samples is None else num_samples
-        loss = per_sample.sum() / max(float(n), 1.0)
+    per_sample, n = norm if norm is not None else (False, mask.sum())
+    per_token = per_token * mask
+    if per_sample:  # GRPO: each sample weighs the same, whatever its length
+        per_token = per_token.sum(-1) / mask.sum(-1).clamp(min=1)
+    loss = per_token.sum() / max(float(n), 1.0)  # DAPO (token-level loss, Eq. 12): every token the same
     with torch.no_grad():  # where the clip is active (the gradient is zero there)
         count = mask.sum().clamp(min=1)
-        stats = {"clip/low_frac": (((ratio < 1 - eps_low) & (adv < 0)).float() * mask).sum() / count,
-                 "clip/high_frac": (((ratio > 1 + eps_high) & (adv > 0)).float() * mask).sum() / count,
+        stats = {"clip/low_frac": (((ratio < lo) & (adv < 0)).float() * mask).sum() / count,
+                 "clip/high_frac": (((ratio > hi) & (adv > 0)).float() * mask).sum() / count,
                  "approx_kl": ((ratio - 1 - log_ratio) * mask).sum() / count}  # k3 estimate of KL(old||new)
     return loss, stats
 
@@ -318,105 +223,699 @@ def token_logprobs(hidden, weight, targets, temperature=1.0, chunk=1024):
 
 
 # -----------------------------------------------------------------------------------------
-# Data: rows of {"prompt": str | chat messages, "answer": str}, from a parquet file in the verl schema
-# (DAPO-Math-17k, AIME-2024), JSON Lines or a .json array. tools/check_data.py reads them and checks
-# every row: a bad file stops the run with one line naming the file, the row and the fix.
+# The loop: the paper's Algorithm 1
 
-def load_data(path, dedup=True):
-    """A data file's rows; dedup keeps the first of repeated prompts (DAPO-Math-17k repeats each ~100x)."""
-    from tools import check_data
+def train(cfg):
+    """The paper's Algorithm 1. Returns the held-out metrics (before, after)."""
+    run = set_up(cfg)  # Part 2: checks, data, vLLM, the sharded policy and optimizer, resume, logs
+    if cfg.eval_only:
+        return evaluate(run, os.path.basename(run.path.rstrip("/")) or "model"), {}
+    if not run.ckpt:
+        run.state["first_eval"] = evaluate(run, "before")
+    for step in progress(run):  # Part 2: the rollout steps left, with a progress bar
+        ticks = [time.perf_counter()]
+
+        def generate(idx, b):  # G responses to each prompt of generation batch b, scored (Eq. 7)
+            return sample_groups(run, run.train_rows, run.train_ids, idx, cfg.group_size, cfg.temperature,
+                                 cfg.top_p, (cfg.seed, step, b))
+
+        # 1. Sample and filter (Eq. 11): generation batches until N groups are kept; shape every reward.
+        kept, seen, m = collect_batch(generate, run.sampler, cfg)
+        every = [s for g in seen for s in g]
+        for s, r in zip(every, shape_rewards(every, cfg).tolist()):
+            s["reward"] = r
+        # 2. Advantages (Eq. 9) from the kept groups' shaped rewards; each sample's tokens then go
+        # to the rank that trains it.
+        samples = [s for g in kept for s in g]
+        m["batch/effective_groups"] = set_advantages(samples, cfg)
+        m["comm/bytes_received"] = send_to_trainers(samples, cfg, m.pop("comm/meta_bytes"))
+        # 3. μ gradient updates (Eq. 10, 12), with linear warm-up over rollout steps.
+        lr = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
+        for g in run.opt.param_groups:
+            g["lr"] = lr
+        engine_sleep(run)  # Part 2: on CUDA, vLLM frees its weights and KV cache while the trainer works
+        ticks.append(time.perf_counter())
+        m.update(update_policy(run, samples))
+        ticks.append(time.perf_counter())
+        # 4. Push the new weights into vLLM.
+        push_weights(run)
+        ticks.append(time.perf_counter())
+        # 5. Log, evaluate, checkpoint.
+        evals = {}
+        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+            evals = evaluate(run, f"step {step + 1}")
+        log_step(run, step + 1, m, every, samples, lr, ticks, evals)
+        if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
+            save_checkpoint(run, step + 1)
+    first, last = run.state["first_eval"], evaluate(run, "after")
+    if first and last:
+        key = f"eval/avg@{cfg.eval_samples}"
+        print0(f"held-out accuracy: before {first[key]:.2f} -> after {last[key]:.2f}")
+    return first, last
+
+
+# -----------------------------------------------------------------------------------------
+# Rollout: generate with vLLM, score with reward.py, then dynamic sampling
+
+def sample_groups(run, rows, prompt_ids, idx, n, temperature, top_p, key, answers=False):
+    """n scored responses for each prompt rows[i], i in idx. Each data-parallel vLLM group generates
+    and scores its share; every rank then gets every group back, in order, but a response's tokens
+    ("response_ids", "vllm_logp") stay on the rank "src" that generated it (share_groups, Part 2)."""
+    import reward
+    from vllm import SamplingParams
+    cfg = run.cfg
+    mine = my_prompts(len(idx), cfg.tp_size)  # Part 2: the TP ranks of a group share prompts and seeds
+    params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=cfg.max_response_len,
+                            logprobs=0)
+    t0 = time.perf_counter()
+    with seeded_engine(run.llm, request_seed(*key, "dp", rank() // cfg.tp_size)):
+        prompts = [{"prompt_token_ids": prompt_ids[idx[j]]} for j in mine]
+        outs = run.llm.generate(prompts, params, use_tqdm=False) if mine else []
+    t1 = time.perf_counter()
+    local = []
+    for out in outs:
+        for o in out.outputs:
+            ids = list(o.token_ids)
+            local.append({"response_ids": ids, "vllm_logp": [lp[t].logprob for lp, t in zip(o.logprobs, ids)],
+                          "truncated": o.finish_reason == "length", "len": len(ids),
+                          "text": run.tokenizer.decode(ids, skip_special_tokens=True)})
+    truth = [rows[idx[j]]["answer"] for j in mine for _ in range(n)]
+    correct, rstats = reward.score_batch([s["text"] for s in local], truth, timeout=cfg.reward_timeout,
+                                         num_workers=cfg.reward_workers)
+    for s, c in zip(local, correct):
+        s["correct"] = c  # Eq. 7: R = +1 if is_equivalent(answer, truth) else -1 (shape_rewards)
+        if answers:
+            s["answer"] = reward.extract_answer(s["text"])
+    t2 = time.perf_counter()
+    times = {"time/rollout": t1 - t0, "time/reward": t2 - t1, "reward/timeouts": rstats["timeouts"],
+             # -log p of the sampled tokens estimates the entropy over every generated token, not
+             # only the kept groups' (with dynamic sampling those are the uncertain ones)
+             "gen/nll": -sum(sum(s["vllm_logp"]) for s in local), "gen/tokens": sum(s["len"] for s in local)}
+    return share_groups(local, idx, prompt_ids, n, times, cfg.tp_size, answers)
+
+
+def shape_rewards(samples, cfg):
+    """Eq. 7 (+1 correct, -1 otherwise) plus, with soft overlong punishment, Eq. 13."""
+    r = torch.tensor([1.0 if s["correct"] else -1.0 for s in samples])
+    if cfg.soft_overlong_punishment:  # DAPO (soft overlong punishment, Eq. 13)
+        lengths = torch.tensor([s["len"] for s in samples])
+        r = r + overlong_penalty(lengths, cfg.max_response_len, cfg.overlong_cache_len)
+    return r
+
+
+def collect_batch(sample_fn, sampler, cfg):
+    """Algorithm 1, lines 3-8: generation batches until N groups pass the dynamic-sampling filter
+    (the surplus is dropped). sample_fn(prompt indices, batch no) -> (groups, stats)."""
+    G, N = cfg.group_size, cfg.prompts_per_step
+    kept, seen, mixed, times = [], [], [], {}
+    for b in range(cfg.max_gen_batches):
+        groups, t = sample_fn(sampler.take(cfg.gen_batch_size if cfg.dynamic_sampling else N), b)
+        times = {k: times.get(k, 0) + v for k, v in t.items()}
+        seen += groups
+        passed = dynamic_sampling_mask(torch.tensor([s["correct"] for g in groups for s in g]), G).tolist()
+        mixed += passed
+        if cfg.dynamic_sampling:  # DAPO (dynamic sampling, Eq. 11): on accuracy, not on the shaped reward
+            groups = [g for g, k in zip(groups, passed) if k]
+        kept += groups
+        if len(kept) >= N:
+            stats = {"filter/kept_frac": sum(mixed) / len(seen), "filter/gen_batches": b + 1, **times}
+            return kept[:N], seen, stats
+    raise too_few_groups(len(kept), seen, cfg)  # Part 2: the error, with what to change
+
+
+def set_advantages(samples, cfg):
+    """Eq. 9 on the kept groups' shaped rewards, into each sample's "adv". Returns the effective
+    batch: the groups whose advantages are not all zero (they carry a gradient)."""
+    adv = group_advantages(torch.tensor([s["reward"] for s in samples]), cfg.group_size)
+    for s, a in zip(samples, adv.tolist()):
+        s["adv"] = a
+    return int((adv.view(-1, cfg.group_size) != 0).any(1).sum())
+
+
+# -----------------------------------------------------------------------------------------
+# Update: old log-probs, then μ gradient steps with the exact token-level normaliser
+
+def first_fit_decreasing(lengths, cap):
+    """Bin packing: index lists of items (longest first) whose lengths add up to at most cap;
+    an item longer than cap gets a bin of its own."""
+    bins, room = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for b, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(cap - lengths[i])
+    return bins
+
+
+def collate(samples, pad_id, device):
+    """Packed rows, no compute on padding: sequences (prompt + response) are bin-packed into rows as
+    long as the longest one, with position_ids restarting at 0 per sequence, from which transformers
+    reads the boundaries (attention_mask=None): attention never crosses sequences. "index": the flat
+    positions predicting the response tokens "targets", "lengths" of them per sample; "mask" (B, R):
+    every response token, EOS included (never derived from pad ids)."""
+    lens = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
+    L = max(lens)
+    rows = first_fit_decreasing(lens, L)
+    ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
+    pos = torch.zeros_like(ids)
+    start = [0] * len(samples)  # flat position of the hidden state predicting sample i's first response token
+    for r, row in enumerate(rows):
+        at = 0
+        for i in row:
+            s = samples[i]
+            ids[r, at:at + lens[i]] = torch.tensor(list(s["prompt_ids"]) + list(s["response_ids"]))
+            pos[r, at:at + lens[i]] = torch.arange(lens[i])
+            start[i] = r * L + at + len(s["prompt_ids"]) - 1
+            at += lens[i]
+        pos[r, at:] = torch.arange(L - at)  # the row's tail: a pad sequence of its own
+    n = [len(s["response_ids"]) for s in samples]
+    index = torch.cat([torch.arange(k) + st for k, st in zip(n, start)])
+    mask = (torch.arange(max(n)) < torch.tensor(n)[:, None]).float()
+    targets = torch.cat([torch.tensor(list(s["response_ids"]), dtype=torch.long) for s in samples])
+    return {"input_ids": ids.to(device), "position_ids": pos.to(device), "index": index.to(device),
+            "targets": targets.to(device), "lengths": n, "mask": mask.to(device)}
+
+
+def forward_logprobs(model, batch, temperature, chunk):
+    """(B, R) log-probs and entropies of the response tokens: the decoder on packed rows, then the
+    fused fp32 head on the response-predicting positions only. An FSDP forward method (load_policy)."""
+    # use_cache=False: with a KV cache transformers skips packed-row detection, and attention
+    # would silently leak across the sequences of a row
+    hidden = model.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                         attention_mask=None, use_cache=False).last_hidden_state
+    hidden = hidden.flatten(0, 1)[batch["index"]].unsqueeze(0)  # (1, N, h): the N response tokens
+    lp, ent = token_logprobs(hidden, model.lm_head.weight, batch["targets"].unsqueeze(0), temperature, chunk)
+    # back to (B, R), zeros beyond each response
+    return (pad_sequence(lp[0].split(batch["lengths"]), batch_first=True),
+            pad_sequence(ent[0].split(batch["lengths"]), batch_first=True))
+
+
+def pack_by_tokens(samples, budget):
+    """Micro-batches of at most `budget` real tokens (prompts + responses): packed rows compute
+    nothing else but row tails."""
+    bins = first_fit_decreasing([len(s["prompt_ids"]) + s["len"] for s in samples], budget)
+    return [[samples[i] for i in b] for b in bins]
+
+
+def micro_batches(samples, cfg):
+    """The μ mini-batches (all ranks' samples; others' are stubs) and this rank's share of each as
+    micro-batches. Every rank runs the same number of forward passes (FSDP's collectives pair up):
+    one with fewer gets extra micro-batches holding a zero-weight copy of one of its samples."""
+    owner = trainer_ranks(len(samples), cfg)  # Part 2: rank r trains its r::world() share of a mini-batch
+    size = len(samples) // cfg.num_mini_batches
+    minis, plan = [], []
+    for m in range(cfg.num_mini_batches):
+        mini = samples[m * size:(m + 1) * size]
+        shares = [[s for s, t in zip(mini, owner[m * size:]) if t == r] for r in range(world())]
+        if cfg.micro_batch_tokens:
+            cuts = [pack_by_tokens(share, cfg.micro_batch_tokens) for share in shares]
+        else:
+            step = cfg.micro_batch_size
+            cuts = [[share[j:j + step] for j in range(0, len(share), step)] for share in shares]
+        mine = cuts[rank()]
+        mine += [[dict(shares[rank()][0], dummy=True)]] * (max(map(len, cuts)) - len(mine))
+        minis.append(mini)
+        plan.append(mine)
+    return minis, plan
+
+
+def _keep_old_logprobs(micro_batch, logp):
+    for s, row in zip(micro_batch, logp.detach()):
+        s["old_logp"] = row[:len(s["response_ids"])].cpu()
+
+
+def old_logprobs(model, plan, cfg, pad_id, device):
+    """π_θold, recomputed by the trainer before any update. Not for the first mini-batch: its own
+    forward pass, before the first optimizer step, gives them (policy_gradient, first=True)."""
+    with torch.no_grad():
+        for micros in plan[1:]:
+            for mb in micros:
+                batch = collate(mb, pad_id, device)
+                lp, _ = model.forward_logprobs(batch, cfg.temperature, cfg.logprob_chunk)
+                _keep_old_logprobs(mb, lp)
+
+
+def loss_normaliser(mini, cfg):
+    """Which samples of a mini-batch are trained on, and what their loss is divided by, decided here
+    once, over ALL of the mini-batch (every micro-batch and rank), so that the micro-batch losses add
+    up exactly to the mini-batch's. Returns (per_sample, n) for dapo_loss."""
+    for s in mini:  # DAPO (overlong filtering, Sec. 3.4): a truncated sample teaches nothing
+        s["trained"] = not (cfg.overlong_filtering and s["truncated"])
+    trained = [s for s in mini if s["trained"]]
+    if not cfg.token_level_loss:  # GRPO: the mean of the per-sample means
+        return True, len(trained)
+    return False, sum(s["len"] for s in trained)  # DAPO (token-level loss, Eq. 12): all tokens
+
+
+# What policy_gradient sums per rank: trained tokens, the loss, then token means (times tokens)
+STATS = ("tokens", "loss", "clip/low_frac", "clip/high_frac", "approx_kl", "entropy", "tis/weight_mean",
+         "tis/clipped_frac")
+
+
+def policy_gradient(model, mini, micros, cfg, pad_id, device, first=False):
+    """Accumulate the gradient of Eq. 12 for one mini-batch (`mini`: all ranks' samples; `micros`:
+    this rank's). Returns (local sums of STATS, the mini-batch's trained-token count)."""
+    norm = loss_normaliser(mini, cfg)
+    sums = torch.zeros(len(STATS), dtype=torch.float64)
+    for mb in micros:
+        b = collate(mb, pad_id, device)
+        mask = b["mask"] * torch.tensor([float(s.get("trained", False)) for s in mb], device=device)[:, None]
+        logp, ent = model.forward_logprobs(b, cfg.temperature, cfg.logprob_chunk)
+        if first:  # the policy is still π_θold
+            _keep_old_logprobs(mb, logp)
+        old = pad_sequence([s["old_logp"] for s in mb], batch_first=True).to(device)  # (B, R)
+        tis, st = None, {}
+        if cfg.tis_cap:  # correct for vLLM's sampling distribution (off by default: the paper's objective)
+            rollout = pad_sequence([torch.tensor(s["vllm_logp"]) for s in mb], batch_first=True).to(device)
+            tis, st = tis_weights(old, rollout, mask, cfg.tis_cap)
+        adv = torch.tensor([s["adv"] for s in mb], device=device)
+        loss, clip_st = dapo_loss(logp, old, adv, mask, cfg, norm, tis)
+        (loss * world()).backward()  # PLUMBING: FSDP2 averages gradients over ranks; Eq. 12 wants the sum
+        n = mask.sum().item()
+        st.update(clip_st, entropy=(ent * mask).sum() / max(n, 1.0))
+        means = [float(st.get(k, 0.0)) * n for k in STATS[2:]]
+        sums += torch.tensor([n, loss.item()] + means, dtype=torch.float64)
+    return sums, sum(s["len"] for s in mini if s["trained"])
+
+
+def update_policy(run, samples):
+    """μ = num_mini_batches AdamW steps on the batch (each sample carries "adv"). A mini-batch with
+    a non-finite loss or gradient norm on any rank, or no trainable token, steps no optimizer."""
+    cfg = run.cfg
+    minis, plan = micro_batches(samples, cfg)
+    old_logprobs(run.model, plan, cfg, run.pad_id, run.device)
+    sums, grad_norms, skipped = torch.zeros(len(STATS), dtype=torch.float64), [], 0
+    for m, (mini, micros) in enumerate(zip(minis, plan)):
+        run.opt.zero_grad(set_to_none=True)
+        local, tokens = policy_gradient(run.model, mini, micros, cfg, run.pad_id, run.device, first=m == 0)
+        norm = clip_gradients(run.model, cfg.grad_clip)  # Part 2: the global norm, before clipping
+        if not finite_on_every_rank(run, local[1].item(), norm):  # Part 2: never step on NaN/inf
+            skipped += 1
+            continue
+        if tokens == 0:  # every token masked (e.g. all truncated): no momentum or decay drift
+            continue
+        run.opt.step()
+        sums += local
+        grad_norms.append(norm)
+    run.opt.zero_grad(set_to_none=True)
+    torch.distributed.all_reduce(sums)
+    stats = {k: sums[i].item() / max(sums[0].item(), 1.0) for i, k in enumerate(STATS) if i >= 2}
+    if not cfg.tis_cap:
+        del stats["tis/weight_mean"], stats["tis/clipped_frac"]
+    micro = [mb for micros in plan for mb in micros]
+    padding = torch.tensor(sum(1 for mb in micro if mb[0].get("dummy")))
+    torch.distributed.all_reduce(padding)
+    return {"loss": sums[1].item() / max(len(grad_norms), 1), **stats,
+            "grad_norm": sum(grad_norms) / max(len(grad_norms), 1), "nonfinite/skipped": skipped,
+            "nonfinite/streak": run.state["nonfinite_streak"], "update/padding_micro_batches": padding.item(),
+            **sync_diff_stats([s for mb in micro for s in mb if not s.get("dummy")])}
+
+
+# -----------------------------------------------------------------------------------------
+# Evaluation: avg@k, pass@k and maj@k (the paper's cons@k) with the same in-process engine
+
+def pass_at_k(n, c, k):
+    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k)."""
+    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def majority_correct(answers, truth):
+    """maj@k: 1.0 if the most common answer is right. Answers vote by equivalence class ("1/2" and
+    "0.5" are one answer), not as raw strings; None never votes; a tie goes to the first seen."""
+    import reward
+    classes = []  # [representative, votes]
+    for a in answers:
+        if a is None:
+            continue
+        for c in classes:
+            if reward.is_equivalent(a, c[0]):
+                c[1] += 1
+                break
+        else:
+            classes.append([a, 1])
+    if not classes:
+        return 0.0
+    top = max(classes, key=lambda c: c[1])  # max() keeps the first of equal counts
+    return float(reward.is_equivalent(top[0], truth))
+
+
+def evaluate(run, tag):
+    """k = eval_samples responses per held-out prompt (split across ranks), scored and printed."""
+    cfg, rows, k = run.cfg, run.eval_rows, run.cfg.eval_samples
+    if not rows:
+        return {}
+    idx = list(range(min(len(rows), cfg.eval_max_prompts or len(rows))))
+    groups, _ = sample_groups(run, rows, run.eval_ids, idx, k, cfg.eval_temperature, cfg.eval_top_p,
+                              (cfg.seed, "eval", tag), answers=True)
+    avg, pas, maj = [], [], []
+    for i, g in zip(idx, groups):
+        c = sum(s["correct"] for s in g)
+        avg.append(c / k)
+        pas.append(pass_at_k(k, c, k))
+        maj.append(majority_correct([s["answer"] for s in g], rows[i]["answer"]))
+    n = len(idx)
+    out = {f"eval/avg@{k}": sum(avg) / n, f"eval/pass@{k}": sum(pas) / n, f"eval/maj@{k}": sum(maj) / n}
+    for level in sorted({rows[i]["level"] for i in idx if "level" in rows[i]}):  # the carry task's difficulty
+        mine = [a for i, a in zip(idx, avg) if rows[i].get("level") == level]
+        out[f"eval/avg@{k}/d{level}"] = sum(mine) / len(mine)
+    print0(f"eval ({tag}): " + "  ".join(f"{name} {v:.3f}" for name, v in out.items()))
+    return out
+
+
+# =========================================================================================
+# Part 2: the plumbing (FSDP2, vLLM, files, checks, Ctrl-C). DAPO never changes below this line.
+# =========================================================================================
+# Flags and errors
+
+class DapoError(Exception):
+    """A problem with the user's input or set-up; main() prints it as one line."""
+
+
+def _brief(e, limit=200):
+    """An exception's message on one line, cut to `limit` characters, for a DapoError."""
+    return " ".join(str(e).split())[:limit]
+
+
+def parse_config(argv=None, cls=Config):
+    """Flags generated from Config (or a subclass: tools/plan.py's); a field's comment is its help."""
+    import argparse
+    import inspect
+    source = "".join(inspect.getsource(c) for c in cls.__mro__ if dataclasses.is_dataclass(c))
+    helps = dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", source, re.M))
+    p = argparse.ArgumentParser(description=sys.modules[cls.__module__].__doc__.strip().split("\n\n")[0])
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        demo = f"; demo: {DEMO[f.name]!r}" if f.name in DEMO else ""
+        help = f"{helps.get(f.name, '')} (default: {f.default!r}{demo})".replace("%", "%%")
+        if isinstance(f.default, bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help)
+        else:
+            p.add_argument(flag, type=type(f.default), default=None, help=help)
+    given = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
+    cfg = cls(**given)
+    if not cfg.model:  # the built-in demo: its own settings, unless given explicitly
+        for k, v in (CARRY if cfg.task == "carry" else DEMO).items():
+            if k not in given:
+                setattr(cfg, k, v)
+    return cfg
+
+
+# -----------------------------------------------------------------------------------------
+# Distributed helpers and the exchange of samples between ranks
+
+def rank():
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def world():
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def _compute_device():
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _full(t):
+    """The whole tensor behind an FSDP2 shard (a collective), or t itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def print0(*a, **k):
+    if rank() == 0:
+        print(*a, **k, flush=True)
+
+
+def init_distributed(timeout_min=Config.collective_timeout_min):
+    """torchrun sets RANK/WORLD_SIZE/...; plain `python dapo.py` becomes a world of one. The timeout
+    bounds every collective of this group; vLLM's own TP groups keep torch's (they run in lockstep)."""
+    if not timeout_min > 0:
+        raise DapoError(f"--collective-timeout-min must be positive (got {timeout_min})")
+    from datetime import timedelta
+    if "RANK" not in os.environ:  # vLLM's external_launcher reads these too
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
+    backend = "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        backend = "cpu:gloo,cuda:nccl"
+    torch.distributed.init_process_group(backend, timeout=timedelta(minutes=timeout_min))
+    return _compute_device()
+
+
+def all_gather_objects(obj):
+    """Every rank's obj, and the bytes this rank received (each pickle is padded to the largest)."""
+    import pickle
+    out = [None] * world()
+    torch.distributed.all_gather_object(out, obj)
+    return out, (world() - 1) * (max(len(pickle.dumps(o)) for o in out) + 8)
+
+
+def all_to_all_objects(outgoing):
+    """outgoing[r] goes to rank r. Returns what each rank sent to this one, and the bytes received.
+    Pickles travel as CPU byte tensors (gloo on a cpu:gloo,cuda:nccl group), sizes first."""
+    import pickle
+    blobs = [pickle.dumps(o) for o in outgoing]
+    sizes = torch.tensor([len(b) for b in blobs])
+    in_sizes = torch.empty_like(sizes)
+    torch.distributed.all_to_all_single(in_sizes, sizes)
+    data = torch.empty(int(in_sizes.sum()), dtype=torch.uint8)
+    sent = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8)
+    torch.distributed.all_to_all_single(data, sent, in_sizes.tolist(), sizes.tolist())
+    nbytes = sum(in_sizes.tolist()) - in_sizes[rank()].item() + 8 * (world() - 1)
+    return [pickle.loads(p.numpy().tobytes()) for p in data.split(in_sizes.tolist())], nbytes
+
+
+def my_prompts(n, tp):
+    """The positions, of n prompts, that this rank's data-parallel vLLM group generates for."""
+    return list(range(rank() // tp, n, world() // tp))
+
+
+def share_groups(local, idx, prompt_ids, n, times, tp, answers):
+    """sample_groups' exchange: every rank gets every group, in order. What the decisions need crosses
+    ranks: correctness (dynamic sampling), length and truncation (rewards, Eq. 12's token count). A TP
+    group's first rank speaks for it; the others send a digest of their responses, which must equal
+    their leader's. Tokens stay where they were generated ("src")."""
+    dp_size = world() // tp
+    fields = ("correct", "len", "truncated") + (("answer",) if answers else ())
+    meta = [tuple(s[f] for f in fields) for s in local] if rank() % tp == 0 else []
+    digest = hash(tuple(tuple(s["response_ids"]) for s in local))
+    gathered, nbytes = all_gather_objects((meta, times, digest))
+    groups = []
+    for j in range(len(idx)):
+        src, k = j % dp_size * tp, j // dp_size  # j is the k-th prompt of DP group j % dp_size
+        if src == rank():
+            part = local[k * n:(k + 1) * n]
+        else:
+            part = [dict(zip(fields, x)) for x in gathered[src][0][k * n:(k + 1) * n]]
+        where = {"pos": j, "row": idx[j], "prompt_ids": prompt_ids[idx[j]], "src": src}
+        groups.append([{**where, **s} for s in part])
+    times = {k: max(t[k] for _, t, _ in gathered) for k in times}
+    for k in ("reward/timeouts", "gen/nll", "gen/tokens"):
+        times[k] = sum(t[k] for _, t, _ in gathered[::tp])
+    times["sync/tp_mismatch"] = sum(d != gathered[r - r % tp][2] for r, (_, _, d) in enumerate(gathered))
+    times["comm/meta_bytes"] = nbytes
+    return groups, times
+
+
+def trainer_ranks(num_samples, cfg):
+    """The rank that trains each kept sample, as micro_batches splits them (mini-batch m is a
+    contiguous slice, rank r trains its r::world() share); None beyond the last full mini-batch."""
+    size = num_samples // cfg.num_mini_batches
+    return [i % size % world() if i < size * cfg.num_mini_batches else None for i in range(num_samples)]
+
+
+def distribute(samples, cfg):
+    """Move each kept sample's tokens from the rank that generated it to the rank that trains it;
+    the others keep a stub (metadata, reward, advantage). Returns the bytes this rank received."""
+    owner = trainer_ranks(len(samples), cfg)
+    outgoing = [[] for _ in range(world())]
+    for i, (s, t) in enumerate(zip(samples, owner)):
+        s["trainer"] = t
+        if s["src"] == rank() and t is not None and t != rank():
+            outgoing[t].append((i, s["response_ids"], s["vllm_logp"]))
+    received, nbytes = all_to_all_objects(outgoing)
+    for part in received:
+        for i, ids, logp in part:
+            samples[i].update(response_ids=ids, vllm_logp=logp)
+    for s in samples:
+        s.pop("text", None)  # the same fields whether the tokens were generated here or received
+        if s["trainer"] != rank():  # a stub: the update reads only its length
+            s.pop("vllm_logp", None)
+            s.pop("response_ids", None)
+    return nbytes
+
+
+def send_to_trainers(samples, cfg, meta_bytes):
+    """distribute(), then the bytes (metadata + tokens) received by the rank that received most."""
+    got = torch.tensor(meta_bytes + distribute(samples, cfg), dtype=torch.float64)
+    torch.distributed.all_reduce(got, op=torch.distributed.ReduceOp.MAX)
+    return got.item()
+
+
+def clip_gradients(model, grad_clip):
+    """The global gradient norm before clipping, as a float on every rank; 0 = no clipping."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+    return float(_full(norm))
+
+
+def finite_on_every_rank(run, loss, norm):
+    """False if the loss or gradient norm is NaN/inf on any rank: then no rank steps, since AdamW
+    would write it into every weight. --max-nonfinite skips in a row stop the run."""
+    finite = torch.tensor(float(math.isfinite(loss) and math.isfinite(norm)))
+    torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
+    streak = 0 if finite.item() else run.state.get("nonfinite_streak", 0) + 1
+    run.state["nonfinite_streak"] = streak
+    if streak >= run.cfg.max_nonfinite:
+        raise DapoError(f"{streak} optimizer steps in a row had a non-finite loss or gradient norm and were "
+                        f"skipped (the weights are still finite): lower --lr, check the data and the reward, "
+                        f"or raise --max-nonfinite")
+    return bool(finite.item())
+
+
+def too_few_groups(kept, seen, cfg):
+    """collect_batch's error: dynamic sampling ran out of generation batches."""
+    n = torch.tensor([s["correct"] for g in seen for s in g]).view(-1, cfg.group_size).sum(1)
+    n_all, n_none = int((n == cfg.group_size).sum()), int((n == 0).sum())
+    return DapoError(
+        f"dynamic sampling kept only {kept} of {cfg.prompts_per_step} groups after {cfg.max_gen_batches} "
+        f"generation batches ({len(seen)} groups: {n_all} all correct, {n_none} all wrong). The data is too "
+        f"{'easy' if n_all > n_none else 'hard'} for this model, or the group size G={cfg.group_size} is too "
+        f"small: change the data or model, raise --group-size, --gen-batch-size or --max-gen-batches, "
+        f"or pass --no-dynamic-sampling")
+
+
+# -----------------------------------------------------------------------------------------
+# The engine and the weight sync
+
+def start_engine(cfg, path, device, dummy_weights=False):
+    """vLLM inside this process: external_launcher reuses torchrun's process group, TP groups are
+    contiguous ranks. dummy_weights: the trainer syncs its own before the first generation."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # VLLM_LOGGING_LEVEL=INFO shows the engine's log
+    from vllm import LLM
+    kw = {"load_format": "dummy"} if dummy_weights else {}
+    if device.type == "cuda":
+        kw.update(gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.vllm_sleep,
+                  hf_overrides={"head_dtype": "float32"})  # fp32 logits, as the trainer computes them
+    else:  # the CPU backend would take a fraction of RAM per rank; it has no CUDA graphs
+        kw.update(kv_cache_memory_bytes=int(cfg.cpu_kv_cache_gb * 2**30), enforce_eager=True,
+                  max_num_seqs=1024, max_num_batched_tokens=16384)  # one engine step for the demo's batch
     try:
-        rows = check_data.read(path)
-    except check_data.DataError as e:
-        raise DapoError(str(e)) from e
-    return check_data.distinct(rows) if dedup else rows
+        return LLM(model=path, dtype="bfloat16" if device.type == "cuda" else "float32",
+                   tensor_parallel_size=cfg.tp_size, distributed_executor_backend="external_launcher",
+                   max_model_len=cfg.max_prompt_len + cfg.max_response_len, seed=cfg.seed,
+                   logprobs_mode="processed_logprobs",  # log-probs at the sampling temperature
+                   enable_prefix_caching=True, **kw)
+    except Exception as e:
+        raise DapoError(f"vLLM could not start on model '{path}': {_brief(e, 500)}")
 
 
-def encode_prompt(tokenizer, prompt):
-    """Token ids of a prompt; the chat template is applied when the tokenizer has one."""
-    msgs = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    else:
-        text = "\n".join(m["content"] for m in msgs)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+def request_seed(*key):
+    """A sampling seed from a key, e.g. (seed, step, generation batch, DP group)."""
+    return random.Random("-".join(map(str, key))).getrandbits(31)
 
 
-class Sampler:
-    """Endless shuffled pass over n prompts: epoch e is permutation(seed + e), so (epoch, pos) is
-    all that resume needs to continue the same data order."""
+@contextlib.contextmanager
+def seeded_engine(llm, seed):
+    """One seed per generate call, so that a resumed run repeats a straight one and the TP ranks of a
+    group agree. vLLM draws unseeded noise from torch's (CPU) and NumPy's (GPU) global generators:
+    seeding both fixes every draw. The prefix cache is emptied so that the schedule, and with it each
+    sequence's noise, depends on this call alone. The trainer's RNGs are restored."""
+    import numpy as np
+    state = np.random.get_state()
+    try:
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            llm.reset_prefix_cache()
+            torch.manual_seed(seed)
+            np.random.seed(seed)
+            yield
+    finally:
+        np.random.set_state(state)
 
-    def __init__(self, n, seed):
-        self.n, self.seed = n, seed
-        self.restore(0, 0)
 
-    def restore(self, epoch, pos):
-        self.epoch, self.pos = epoch, pos
-        generator = torch.Generator().manual_seed(self.seed + epoch)
-        self._perm = torch.randperm(self.n, generator=generator).tolist()
+def _reload_and_list_missing(worker, weights_iterator):
+    """Inside vLLM's worker (collective_rpc): reload_weights, and return the parameters that no
+    streamed tensor wrote (vLLM itself only logs them)."""
+    model = worker.model_runner.get_model()
+    loaded = set()
+    load_weights = model.load_weights
 
-    def take(self, k):
-        out = []
-        while len(out) < k:
-            if self.pos == self.n:
-                self.restore(self.epoch + 1, 0)
-            out.append(self._perm[self.pos])
-            self.pos += 1
-        return out
+    def recording(weights):
+        names = load_weights(weights)
+        loaded.update(names or ())
+        return names
+
+    model.load_weights = recording
+    try:
+        worker.reload_weights(weights_iterator=weights_iterator)
+    finally:
+        del model.load_weights
+    return sorted({name for name, _ in model.named_parameters()} - loaded)
+
+
+def _gather(t, dtype):
+    """A full tensor from this rank's shard, cast (and moved to the accelerator) before the gather,
+    which then moves fewer bytes. A collective: every rank calls it, in the same order."""
+    return _full(t.to(device=_compute_device(), dtype=dtype))
+
+
+def sync_weights(model, llm, skip=()):
+    """Push the trained weights into vLLM in ONE reload_weights call (one call per tensor would
+    corrupt vLLM's fused qkv/gate_up layers), from state_dict() so that a tied lm_head is included.
+    A parameter left unwritten would be garbage after a dummy start or a sleep: refused.
+    skip: names left out (tests only)."""
+    dtype = llm.llm_engine.model_config.dtype
+    stream = ((name, _gather(t, dtype)) for name, t in model.state_dict().items() if name not in skip)
+    missing = llm.collective_rpc(_reload_and_list_missing, kwargs={"weights_iterator": stream})[0]
+    llm.reset_prefix_cache()
+    if missing:
+        raise DapoError(f"weight sync left {len(missing)} of vLLM's parameters unwritten, e.g. {missing[:3]} "
+                        f"(their values would be garbage): the trainer's state_dict names do not cover the "
+                        f"engine's model; check that --model is a causal LM that vLLM and transformers name "
+                        f"alike")
+
+
+def engine_sleep(run):
+    """On CUDA, vLLM drops its weights and KV cache (sleep level 2) while the trainer updates."""
+    if run.sleep:
+        run.llm.sleep(level=2)
+
+
+def push_weights(run):
+    """Algorithm 1's weight sync, after every update. After a sleep, the weights wake first and are
+    reloaded before the KV cache returns."""
+    if run.sleep:
+        run.llm.wake_up(tags=["weights"])
+    sync_weights(run.model, run.llm)
+    if run.sleep:
+        run.llm.wake_up()
+
+
+def sync_diff_stats(samples):
+    """|vLLM's log-prob - the trainer's π_θold| over the tokens this rank trains on: mean, p99, max.
+    Equal weights give ~1e-6 on CPU fp32, a broken weight sync nats. p99: the largest rank's."""
+    d = torch.cat([(torch.tensor(s["vllm_logp"]) - s["old_logp"]).abs() for s in samples] or [torch.zeros(1)])
+    p99 = torch.quantile(d[-2**24:].double(), 0.99).item()  # quantile() takes at most 2^24 values
+    total = torch.tensor([d.sum().item(), d.numel()], dtype=torch.float64)
+    worst = torch.tensor([p99, d.max().item()], dtype=torch.float64)
+    torch.distributed.all_reduce(total)
+    torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX)
+    return {"sync/logp_diff_mean": total[0].item() / total[1].item(), "sync/logp_diff_p99": worst[0].item(),
+            "sync/logp_diff_max": worst[1].item()}
 
 
 # -----------------------------------------------------------------------------------------
-# The built-in demo: addition prompts in the DAPO template, for a tiny Qwen2 model that
-# tools/demo_model.py builds and warm-starts. Everything is made on the fly, no download.
-
-DAPO_HEAD = ("Solve the following math problem step by step. The last line of your response should "
-             "be of the form Answer: $Answer (without quotes) where $Answer is the answer to the "
-             "problem.\n\n")
-DAPO_TAIL = "\n\nRemember to put your answer on its own line after \"Answer:\"."
-DEMO_TOKENS = [DAPO_HEAD, DAPO_TAIL, "Answer:"]  # single tokens: prompts stay ~10 tokens long
-
-
-def demo_task(seed=0, task="add"):
-    """The built-in task's (train, held-out) rows, each with a reference "solution" for the warm-start.
-    add: a+b with a, b in 10..99, 300 held out. carry: operands of 1-5 digits, solved column by column
-    (347+589= -> 7+9=16, 4+8+1=13, 3+5+1=9, Answer: 936); "level" is the number of columns, and 250
-    problems of each level are held out (20 of the 100 one-column ones)."""
-    rng = random.Random(seed)
-    if task == "add":
-        rows = [{"prompt": f"{DAPO_HEAD}{a}+{b}={DAPO_TAIL}", "answer": str(a + b),
-                 "solution": f"Answer: {a + b}"} for a in range(10, 100) for b in range(10, 100)]
-        rng.shuffle(rows)
-        return rows[300:], rows[:300]
-    rng = random.Random(0)  # carry is one fixed dataset, as a data file would be; --seed varies the rest
-    train, held = [], []
-    for n in range(1, 6):
-        pairs = set()  # distinct problems first, then the split: there are only 100 of level 1
-        while len(pairs) < (100 if n == 1 else 5000):
-            a = rng.randrange(10 ** (n - 1) if n > 1 else 0, 10 ** n)
-            m = rng.randint(1, n)
-            b = rng.randrange(10 ** (m - 1) if m > 1 else 0, 10 ** m)
-            pairs.add((a, b) if rng.random() < 0.5 else (b, a))
-        pairs = sorted(pairs)
-        rng.shuffle(pairs)
-        rows = [{"prompt": f"{DAPO_HEAD}{a}+{b}={DAPO_TAIL}", "answer": str(a + b), "level": n,
-                 "solution": carry_solution(a, b)} for a, b in pairs]
-        cut = 20 if n == 1 else 250
-        held, train = held + rows[:cut], train + rows[cut:]
-    rng.shuffle(train)
-    return train, held
-
-
-def carry_solution(a, b):
-    lines, carry = [], 0
-    for i in range(max(len(str(a)), len(str(b)))):
-        x, y = a // 10 ** i % 10, b // 10 ** i % 10
-        lines.append(f"{x}+{y}{'+1' if carry else ''}={x + y + carry}")
-        carry = (x + y + carry) // 10
-    return "\n".join(lines + [f"Answer: {a + b}"])
-
-
-# -----------------------------------------------------------------------------------------
-# Model, engine and weight sync (PLUMBING: FSDP2 and vLLM)
+# Loading and saving models
 
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM 0.32 CPU attention
 
@@ -432,7 +931,7 @@ def check_model(path, max_len=None):
         config = AutoConfig.from_pretrained(os.path.expanduser(path))
     except Exception as e:
         raise DapoError(f"cannot load model '{path}': not a local model directory and not on the Hugging "
-                        f"Face hub or in its cache ({str(e).splitlines()[0][:200]})")
+                        f"Face hub or in its cache ({_brief(e)})")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if not torch.cuda.is_available() and head_dim not in CPU_HEAD_DIMS:
         raise DapoError(f"model '{path}' has head_dim={head_dim}, which vLLM's CPU backend does not "
@@ -453,7 +952,7 @@ def hf_weight_files(path):
         try:
             path = snapshot_download(path, allow_patterns=["*.safetensors", "*.json"])
         except Exception as e:
-            raise DapoError(f"cannot download model '{path}' ({str(e).splitlines()[0][:200]})")
+            raise DapoError(f"cannot download model '{path}' ({_brief(e)})")
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
         try:
@@ -476,8 +975,7 @@ def hf_weight_files(path):
             with safe_open(f, "pt") as r:
                 shapes.update({k: r.get_slice(k).get_shape() for k in r.keys()})
         except Exception as e:
-            why = " ".join(str(e).split())[:200]
-            raise DapoError(f"cannot read {f}: {why} (a damaged or truncated file?)")
+            raise DapoError(f"cannot read {f}: {_brief(e)} (a damaged or truncated file?)")
     return files, shapes
 
 
@@ -535,7 +1033,7 @@ def load_policy(cfg, path, device, weights=True):
     for layer in model.model.layers:
         fully_shard(layer, **kw)
     fully_shard(model, **kw)
-    # PLUMBING: FSDP gathers the root's weights (embedding, final norm, head) only around forward();
+    # FSDP gathers the root's weights (embedding, final norm, head) only around forward();
     # forward_logprobs uses them too, so it is registered as a forward method
     model.forward_logprobs = types.MethodType(forward_logprobs, model)
     register_fsdp_forward_method(model, "forward_logprobs")
@@ -549,74 +1047,6 @@ def load_policy(cfg, path, device, weights=True):
     if weights:
         load_hf_weights(model, path)
     return model
-
-
-def start_engine(cfg, path, device, dummy_weights=False):
-    """vLLM inside this process: external_launcher reuses torchrun's process group, TP groups are
-    contiguous ranks. dummy_weights: the trainer syncs its own before the first generation."""
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # VLLM_LOGGING_LEVEL=INFO shows the engine's log
-    from vllm import LLM
-    kw = {"load_format": "dummy"} if dummy_weights else {}
-    if device.type == "cuda":
-        kw.update(gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.vllm_sleep,
-                  hf_overrides={"head_dtype": "float32"})  # fp32 logits, as the trainer computes them
-    else:  # PLUMBING: otherwise the CPU backend takes a fraction of RAM per rank; it has no CUDA graphs
-        kw.update(kv_cache_memory_bytes=int(cfg.cpu_kv_cache_gb * 2**30), enforce_eager=True,
-                  # vLLM's CPU defaults (256 sequences, 4096 tokens per engine step) cut the demo's
-                  # 768 responses into 3 waves; one wave took 0.97x the time alone, 0.65x when
-                  # another job shared the cores
-                  max_num_seqs=1024, max_num_batched_tokens=16384)
-    try:
-        return LLM(model=path, dtype="bfloat16" if device.type == "cuda" else "float32",
-                   tensor_parallel_size=cfg.tp_size, distributed_executor_backend="external_launcher",
-                   max_model_len=cfg.max_prompt_len + cfg.max_response_len, seed=cfg.seed,
-                   logprobs_mode="processed_logprobs",  # log-probs at the sampling temperature
-                   enable_prefix_caching=True, **kw)
-    except Exception as e:
-        raise DapoError(f"vLLM could not start on model '{path}': {' '.join(str(e).split())[:500]}")
-
-
-def _reload_and_list_missing(worker, weights_iterator):
-    """Inside vLLM's worker (collective_rpc): reload_weights, and return the parameters that no
-    streamed tensor wrote (vLLM itself only logs them)."""
-    model = worker.model_runner.get_model()
-    loaded = set()
-    load_weights = model.load_weights
-
-    def recording(weights):
-        names = load_weights(weights)
-        loaded.update(names or ())
-        return names
-
-    model.load_weights = recording
-    try:
-        worker.reload_weights(weights_iterator=weights_iterator)
-    finally:
-        del model.load_weights
-    return sorted({name for name, _ in model.named_parameters()} - loaded)
-
-
-def _gather(t, dtype):
-    """A full tensor from this rank's shard, cast (and moved to the accelerator) before the gather,
-    which then moves fewer bytes. A collective: every rank calls it, in the same order."""
-    t = t.to(device=_compute_device(), dtype=dtype)
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def sync_weights(model, llm, skip=()):
-    """Push the trained weights into vLLM in ONE reload_weights call (one call per tensor would
-    corrupt vLLM's fused qkv/gate_up layers), from state_dict() so that a tied lm_head is included.
-    A parameter left unwritten would be garbage after a dummy start or a sleep: refused.
-    skip: names left out (tests only)."""
-    dtype = llm.llm_engine.model_config.dtype
-    stream = ((name, _gather(t, dtype)) for name, t in model.state_dict().items() if name not in skip)
-    missing = llm.collective_rpc(_reload_and_list_missing, kwargs={"weights_iterator": stream})[0]
-    llm.reset_prefix_cache()
-    if missing:
-        raise DapoError(f"weight sync left {len(missing)} of vLLM's parameters unwritten, e.g. {missing[:3]} "
-                        f"(their values would be garbage): the trainer's state_dict names do not cover the "
-                        f"engine's model; check that --model is a causal LM that vLLM and transformers name "
-                        f"alike")
 
 
 def save_hf(model, tokenizer, path, dtype=torch.bfloat16, shard_gb=5.0):
@@ -655,408 +1085,6 @@ def save_hf(model, tokenizer, path, dtype=torch.bfloat16, shard_gb=5.0):
         model.generation_config.save_pretrained(path)
         tokenizer.save_pretrained(path)
     torch.distributed.barrier()
-
-
-# -----------------------------------------------------------------------------------------
-# Rollout: generate with vLLM, score with reward.py, then dynamic sampling
-
-def request_seed(*key):
-    """A sampling seed from a key, e.g. (seed, step, generation batch, DP group)."""
-    return random.Random("-".join(map(str, key))).getrandbits(31)
-
-
-@contextlib.contextmanager
-def seeded_engine(llm, seed):
-    """One seed per generate call, so a resumed run repeats a straight one bit for bit and the TP
-    ranks of a group agree (per-request seeds cost vLLM-CPU 6-8%: tools/bench_step.py --seeds).
-    vLLM runs in this process and draws unseeded noise from torch's (CPU) and NumPy's (GPU) global
-    generators: seeding both fixes every draw. The prefix cache is emptied so that the schedule,
-    and with it each sequence's noise, depends on this call alone. The trainer's RNGs are restored."""
-    import numpy as np
-    state = np.random.get_state()
-    try:
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=devices):
-            llm.reset_prefix_cache()
-            torch.manual_seed(seed)
-            np.random.seed(seed)
-            yield
-    finally:
-        np.random.set_state(state)
-
-
-def sample_groups(llm, tokenizer, rows, prompt_ids, idx, cfg, n, temperature, top_p, key, answers=False):
-    """n scored responses for each prompt rows[i], i in idx, generated by the data-parallel vLLM
-    groups. Every rank gets every group back, in order, but a response's tokens ("response_ids",
-    "vllm_logp") stay on the rank "src" that generated it: only metadata crosses ranks."""
-    import reward
-    from vllm import SamplingParams
-    tp, dp_rank, dp_size = cfg.tp_size, rank() // cfg.tp_size, world() // cfg.tp_size
-    mine = list(range(dp_rank, len(idx), dp_size))  # TP ranks of one group share prompts and seeds
-    params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=cfg.max_response_len,
-                            logprobs=0)
-    t0 = time.perf_counter()
-    with seeded_engine(llm, request_seed(*key, "dp", dp_rank)):
-        prompts = [{"prompt_token_ids": prompt_ids[idx[j]]} for j in mine]
-        outs = llm.generate(prompts, params, use_tqdm=False) if mine else []
-    t1 = time.perf_counter()
-    local = []
-    for out in outs:
-        for o in out.outputs:
-            ids = list(o.token_ids)
-            local.append({"response_ids": ids, "vllm_logp": [lp[t].logprob for lp, t in zip(o.logprobs, ids)],
-                          "truncated": o.finish_reason == "length", "len": len(ids),
-                          "text": tokenizer.decode(ids, skip_special_tokens=True)})
-    truth = [rows[idx[j]]["answer"] for j in mine for _ in range(n)]
-    correct, rstats = reward.score_batch([s["text"] for s in local], truth, timeout=cfg.reward_timeout,
-                                         num_workers=cfg.reward_workers)
-    for s, c in zip(local, correct):
-        s["correct"] = c
-        if answers:
-            s["answer"] = reward.extract_answer(s["text"])
-    t2 = time.perf_counter()
-    times = {"time/rollout": t1 - t0, "time/reward": t2 - t1, "reward/timeouts": rstats["timeouts"],
-             # -log p of the sampled tokens estimates the entropy over every generated token, not
-             # only the kept groups' (with dynamic sampling those are the uncertain ones)
-             "gen/nll": -sum(sum(s["vllm_logp"]) for s in local), "gen/tokens": sum(s["len"] for s in local)}
-    # What the decisions need crosses ranks: correctness (dynamic sampling), length and truncation
-    # (rewards, Eq. 12's token count). A TP group's first rank speaks for it; the others send a
-    # digest of their responses, which must equal their leader's.
-    fields = ("correct", "len", "truncated") + (("answer",) if answers else ())
-    meta = [tuple(s[f] for f in fields) for s in local] if rank() % tp == 0 else []
-    digest = hash(tuple(tuple(s["response_ids"]) for s in local))
-    gathered, nbytes = all_gather_objects((meta, times, digest))
-    groups = []
-    for j in range(len(idx)):
-        src, k = j % dp_size * tp, j // dp_size  # j is the k-th prompt of DP group j % dp_size
-        if src == rank():
-            part = local[k * n:(k + 1) * n]
-        else:
-            part = [dict(zip(fields, x)) for x in gathered[src][0][k * n:(k + 1) * n]]
-        where = {"pos": j, "row": idx[j], "prompt_ids": prompt_ids[idx[j]], "src": src}
-        groups.append([{**where, **s} for s in part])
-    times = {k: max(t[k] for _, t, _ in gathered) for k in times}
-    for k in ("reward/timeouts", "gen/nll", "gen/tokens"):
-        times[k] = sum(t[k] for _, t, _ in gathered[::tp])
-    times["sync/tp_mismatch"] = sum(d != gathered[r - r % tp][2] for r, (_, _, d) in enumerate(gathered))
-    times["comm/meta_bytes"] = nbytes
-    return groups, times
-
-
-def shape_rewards(samples, cfg):
-    """Eq. 7 (+1 correct, -1 otherwise) plus, with soft overlong punishment, Eq. 13."""
-    r = torch.tensor([1.0 if s["correct"] else -1.0 for s in samples])
-    if cfg.soft_overlong_punishment:  # DAPO (soft overlong punishment, Eq. 13)
-        lengths = torch.tensor([s["len"] for s in samples])
-        r = r + overlong_penalty(lengths, cfg.max_response_len, cfg.overlong_cache_len)
-    return r
-
-
-def trainer_ranks(num_samples, cfg):
-    """The rank that trains each kept sample, as micro_batches splits them (mini-batch m is a
-    contiguous slice, rank r trains its r::world() share); None beyond the last full mini-batch."""
-    size = num_samples // cfg.num_mini_batches
-    return [i % size % world() if i < size * cfg.num_mini_batches else None for i in range(num_samples)]
-
-
-def distribute(samples, cfg):
-    """Move each kept sample's tokens from the rank that generated it to the rank that trains it;
-    the others keep a stub (metadata, reward, advantage). Returns the bytes this rank received."""
-    owner = trainer_ranks(len(samples), cfg)
-    outgoing = [[] for _ in range(world())]
-    for i, (s, t) in enumerate(zip(samples, owner)):
-        s["trainer"] = t
-        if s["src"] == rank() and t is not None and t != rank():
-            outgoing[t].append((i, s["response_ids"], s["vllm_logp"]))
-    received, nbytes = all_to_all_objects(outgoing)
-    for part in received:
-        for i, ids, logp in part:
-            samples[i].update(response_ids=ids, vllm_logp=logp)
-    for s in samples:
-        s.pop("text", None)  # the same fields whether the tokens were generated here or received
-        if s["trainer"] != rank():  # a stub: the update reads only its length
-            s.pop("vllm_logp", None)
-            s.pop("response_ids", None)
-    return nbytes
-
-
-def collect_batch(sample_fn, sampler, cfg):
-    """Algorithm 1, lines 3-8: generation batches until N groups pass the dynamic-sampling filter
-    (the surplus is dropped). sample_fn(prompt indices, batch no) -> (groups, stats)."""
-    G, N = cfg.group_size, cfg.prompts_per_step
-    kept, seen, times = [], [], {}
-    for b in range(cfg.max_gen_batches):
-        groups, t = sample_fn(sampler.take(cfg.gen_batch_size if cfg.dynamic_sampling else N), b)
-        times = {k: times.get(k, 0) + v for k, v in t.items()}
-        seen += groups
-        if cfg.dynamic_sampling:  # DAPO (dynamic sampling, Eq. 11): on accuracy, not the shaped reward
-            keep = dynamic_sampling_mask(torch.tensor([s["correct"] for g in groups for s in g]), G).tolist()
-            kept += [g for g, k in zip(groups, keep) if k]
-        else:
-            kept += groups
-        if len(kept) >= N:
-            mixed = sum(1 for g in seen if 0 < sum(s["correct"] for s in g) < G)
-            stats = {"filter/kept_frac": mixed / len(seen), "filter/gen_batches": b + 1, **times}
-            return kept[:N], seen, stats
-    n_all = sum(1 for g in seen if all(s["correct"] for s in g))
-    n_none = sum(1 for g in seen if not any(s["correct"] for s in g))
-    raise DapoError(
-        f"dynamic sampling kept only {len(kept)} of {N} groups after {cfg.max_gen_batches} generation "
-        f"batches ({len(seen)} groups: {n_all} all correct, {n_none} all wrong). The data is too "
-        f"{'easy' if n_all > n_none else 'hard'} for this model, or the group size G={G} is too small: "
-        f"change the data or model, raise --group-size, --gen-batch-size or --max-gen-batches, "
-        f"or pass --no-dynamic-sampling")
-
-
-# -----------------------------------------------------------------------------------------
-# Update: old log-probs, then μ gradient steps with the exact token-level normaliser
-
-def first_fit_decreasing(lengths, cap):
-    """Bin packing: index lists of items (longest first) whose lengths add up to at most cap;
-    an item longer than cap gets a bin of its own."""
-    bins, room = [], []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        for b, free in enumerate(room):
-            if lengths[i] <= free:
-                bins[b].append(i)
-                room[b] -= lengths[i]
-                break
-        else:
-            bins.append([i])
-            room.append(cap - lengths[i])
-    return bins
-
-
-def collate(samples, pad_id, device, overlong_filtering):
-    """Packed rows, no compute on padding: sequences (prompt + response) are bin-packed into rows as
-    long as the longest one, with position_ids restarting at 0 per sequence, from which transformers
-    reads the boundaries (attention_mask=None): attention never crosses sequences. "index": the flat
-    positions predicting the response tokens "targets", "lengths" of them per sample; "mask" (B, R):
-    every response token, EOS included (never derived from pad ids)."""
-    lens = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
-    L = max(lens)
-    rows = first_fit_decreasing(lens, L)
-    ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
-    pos = torch.zeros_like(ids)
-    start = [0] * len(samples)  # flat position of the hidden state predicting sample i's first response token
-    for r, row in enumerate(rows):
-        at = 0
-        for i in row:
-            s = samples[i]
-            ids[r, at:at + lens[i]] = torch.tensor(list(s["prompt_ids"]) + list(s["response_ids"]))
-            pos[r, at:at + lens[i]] = torch.arange(lens[i])
-            start[i] = r * L + at + len(s["prompt_ids"]) - 1
-            at += lens[i]
-        pos[r, at:] = torch.arange(L - at)  # the row's tail: a pad sequence of its own
-    n = [len(s["response_ids"]) for s in samples]
-    index = torch.cat([torch.arange(k) + st for k, st in zip(n, start)])
-    mask = (torch.arange(max(n)) < torch.tensor(n)[:, None]).float()
-    mask[torch.tensor([s.get("dummy", False) for s in samples])] = 0.0  # padding micro-batches
-    if overlong_filtering:  # DAPO (overlong filtering, Sec. 3.4): truncated samples teach nothing
-        mask[torch.tensor([s["truncated"] for s in samples])] = 0.0
-    targets = torch.cat([torch.tensor(list(s["response_ids"]), dtype=torch.long) for s in samples])
-    return {"input_ids": ids.to(device), "position_ids": pos.to(device), "index": index.to(device),
-            "targets": targets.to(device), "lengths": n, "mask": mask.to(device)}
-
-
-def forward_logprobs(model, batch, temperature, chunk):
-    """(B, R) log-probs and entropies of the response tokens: the decoder on packed rows, then the
-    fused fp32 head on the response-predicting positions only. An FSDP forward method (load_policy)."""
-    # use_cache=False: with a KV cache transformers skips packed-row detection, and attention
-    # would silently leak across the sequences of a row
-    hidden = model.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                         attention_mask=None, use_cache=False).last_hidden_state
-    hidden = hidden.flatten(0, 1)[batch["index"]].unsqueeze(0)  # (1, N, h): the N response tokens
-    lp, ent = token_logprobs(hidden, model.lm_head.weight, batch["targets"].unsqueeze(0), temperature, chunk)
-    # back to (B, R), zeros beyond each response
-    return (pad_sequence(lp[0].split(batch["lengths"]), batch_first=True),
-            pad_sequence(ent[0].split(batch["lengths"]), batch_first=True))
-
-
-def pack_by_tokens(samples, budget):
-    """Micro-batches of at most `budget` real tokens (prompts + responses): packed rows compute
-    nothing else but row tails."""
-    bins = first_fit_decreasing([len(s["prompt_ids"]) + s["len"] for s in samples], budget)
-    return [[samples[i] for i in b] for b in bins]
-
-
-def micro_batches(samples, cfg):
-    """The μ mini-batches (all ranks' samples; others' are stubs) and this rank's share of each as
-    micro-batches. Every rank runs the same number of forward passes (FSDP's collectives pair up):
-    one with fewer gets extra micro-batches holding a zero-weight copy of one of its samples."""
-    owner = trainer_ranks(len(samples), cfg)
-    size = len(samples) // cfg.num_mini_batches
-    minis, plan = [], []
-    for m in range(cfg.num_mini_batches):
-        mini = samples[m * size:(m + 1) * size]
-        shares = [[s for s, t in zip(mini, owner[m * size:]) if t == r] for r in range(world())]
-        if cfg.micro_batch_tokens:
-            cuts = [pack_by_tokens(share, cfg.micro_batch_tokens) for share in shares]
-        else:
-            step = cfg.micro_batch_size
-            cuts = [[share[j:j + step] for j in range(0, len(share), step)] for share in shares]
-        mine = cuts[rank()]
-        mine += [[dict(shares[rank()][0], dummy=True)]] * (max(map(len, cuts)) - len(mine))
-        minis.append(mini)
-        plan.append(mine)
-    return minis, plan
-
-
-def _keep_old_logprobs(micro_batch, logp):
-    for s, row in zip(micro_batch, logp.detach()):
-        s["old_logp"] = row[:len(s["response_ids"])].cpu()
-
-
-def old_logprobs(model, plan, cfg, pad_id, device):
-    """π_θold, recomputed by the trainer before any update. Not for the first mini-batch: its own
-    forward pass, before the first optimizer step, gives them (policy_gradient, first=True)."""
-    with torch.no_grad():
-        for micros in plan[1:]:
-            for mb in micros:
-                batch = collate(mb, pad_id, device, False)
-                lp, _ = model.forward_logprobs(batch, cfg.temperature, cfg.logprob_chunk)
-                _keep_old_logprobs(mb, lp)
-
-
-# What policy_gradient sums per rank: trained tokens, the loss, then token means (times tokens)
-STATS = ("tokens", "loss", "clip/low_frac", "clip/high_frac", "approx_kl", "entropy", "tis/weight_mean",
-         "tis/clipped_frac")
-
-
-def policy_gradient(model, mini, micros, cfg, pad_id, device, first=False):
-    """Accumulate the gradient of Eq. 12 for one mini-batch (`mini`: all ranks' samples; `micros`:
-    this rank's). Returns (local sums of STATS, the mini-batch's token count)."""
-    # DAPO (token-level loss): the normaliser is the token count over ALL micro-batches and
-    # ranks, so the per-micro-batch losses add up to Eq. 12 exactly
-    lens = [0 if (cfg.overlong_filtering and s["truncated"]) else s["len"] for s in mini]
-    num_tokens, num_samples = sum(lens), sum(1 for n in lens if n)
-    sums = torch.zeros(len(STATS), dtype=torch.float64)
-    for mb in micros:
-        b = collate(mb, pad_id, device, cfg.overlong_filtering)
-        logp, ent = model.forward_logprobs(b, cfg.temperature, cfg.logprob_chunk)
-        if first:  # the policy is still π_θold
-            _keep_old_logprobs(mb, logp)
-        old = pad_sequence([s["old_logp"] for s in mb], batch_first=True).to(device)  # (B, R)
-        tis, st = None, {}
-        if cfg.tis_cap:  # correct for vLLM's sampling distribution (off by default: the paper's objective)
-            rollout = pad_sequence([torch.tensor(s["vllm_logp"]) for s in mb], batch_first=True).to(device)
-            tis, st = tis_weights(old, rollout, b["mask"], cfg.tis_cap)
-        adv = torch.tensor([s["adv"] for s in mb], device=device)
-        loss, clip_st = dapo_loss(logp, old, adv, b["mask"], cfg.eps_low, cfg.eps_high, num_tokens=num_tokens,
-                                  token_level=cfg.token_level_loss, num_samples=num_samples,
-                                  dual_clip=cfg.dual_clip, tis_weight=tis)
-        (loss * world()).backward()  # PLUMBING: FSDP2 averages gradients over ranks; Eq. 12 wants the sum
-        n = b["mask"].sum().item()
-        st.update(clip_st, entropy=(ent * b["mask"]).sum() / max(n, 1.0))
-        means = [float(st.get(k, 0.0)) * n for k in STATS[2:]]
-        sums += torch.tensor([n, loss.item()] + means, dtype=torch.float64)
-    return sums, num_tokens
-
-
-def sync_diff_stats(samples):
-    """|vLLM's log-prob - the trainer's π_θold| over the tokens this rank trains on: mean, p99, max.
-    Equal weights give ~1e-6 on CPU fp32, a broken weight sync nats. p99: the largest rank's."""
-    d = torch.cat([(torch.tensor(s["vllm_logp"]) - s["old_logp"]).abs() for s in samples] or [torch.zeros(1)])
-    p99 = torch.quantile(d[-2**24:].double(), 0.99).item()  # quantile() takes at most 2^24 values
-    total = torch.tensor([d.sum().item(), d.numel()], dtype=torch.float64)
-    worst = torch.tensor([p99, d.max().item()], dtype=torch.float64)
-    torch.distributed.all_reduce(total)
-    torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX)
-    return {"sync/logp_diff_mean": total[0].item() / total[1].item(), "sync/logp_diff_p99": worst[0].item(),
-            "sync/logp_diff_max": worst[1].item()}
-
-
-def update_policy(model, opt, samples, cfg, pad_id, device, nonfinite_streak=0):
-    """μ = num_mini_batches AdamW steps on the batch (each sample carries "adv"). A mini-batch with
-    a non-finite loss or gradient norm on any rank, or no trainable token, steps no optimizer."""
-    minis, plan = micro_batches(samples, cfg)
-    old_logprobs(model, plan, cfg, pad_id, device)
-    sums, grad_norms, skipped = torch.zeros(len(STATS), dtype=torch.float64), [], 0
-    for m, (mini, micros) in enumerate(zip(minis, plan)):
-        opt.zero_grad(set_to_none=True)
-        local, num_tokens = policy_gradient(model, mini, micros, cfg, pad_id, device, first=m == 0)
-        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        finite = torch.tensor(float(math.isfinite(local[1].item()) and math.isfinite(norm)))
-        torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
-        if not finite.item():  # never step on NaN/inf: AdamW would write it into every weight
-            skipped += 1
-            nonfinite_streak += 1
-            if nonfinite_streak >= cfg.max_nonfinite:
-                raise DapoError(f"{nonfinite_streak} optimizer steps in a row had a non-finite loss or "
-                                f"gradient norm and were skipped (the weights are still finite): lower --lr, "
-                                f"check the data and the reward, or raise --max-nonfinite")
-            continue
-        nonfinite_streak = 0
-        if num_tokens == 0:  # every token masked (e.g. all truncated): no momentum or decay drift
-            continue
-        opt.step()
-        sums += local
-        grad_norms.append(norm)
-    opt.zero_grad(set_to_none=True)
-    torch.distributed.all_reduce(sums)
-    stats = {k: sums[i].item() / max(sums[0].item(), 1.0) for i, k in enumerate(STATS) if i >= 2}
-    if not cfg.tis_cap:
-        del stats["tis/weight_mean"], stats["tis/clipped_frac"]
-    micro = [mb for micros in plan for mb in micros]
-    padding = torch.tensor(sum(1 for mb in micro if mb[0].get("dummy")))
-    torch.distributed.all_reduce(padding)
-    return {"loss": sums[1].item() / max(len(grad_norms), 1), **stats,
-            "grad_norm": sum(grad_norms) / max(len(grad_norms), 1), "nonfinite/skipped": skipped,
-            "nonfinite/streak": nonfinite_streak, "update/padding_micro_batches": padding.item(),
-            **sync_diff_stats([s for mb in micro for s in mb if not s.get("dummy")])}
-
-
-# -----------------------------------------------------------------------------------------
-# Evaluation: avg@k, pass@k and maj@k (the paper's cons@k) with the same in-process engine
-
-def pass_at_k(n, c, k):
-    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k)."""
-    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def majority_correct(answers, truth):
-    """maj@k: 1.0 if the most common answer is right. Answers vote by equivalence class ("1/2" and
-    "0.5" are one answer), not as raw strings; None never votes; a tie goes to the first seen."""
-    import reward
-    classes = []  # [representative, votes]
-    for a in answers:
-        if a is None:
-            continue
-        for c in classes:
-            if reward.is_equivalent(a, c[0]):
-                c[1] += 1
-                break
-        else:
-            classes.append([a, 1])
-    if not classes:
-        return 0.0
-    top = max(classes, key=lambda c: c[1])  # max() keeps the first of equal counts
-    return float(reward.is_equivalent(top[0], truth))
-
-
-def evaluate(run, tag):
-    """k = eval_samples responses per held-out prompt (split across ranks), scored and printed."""
-    cfg, rows, k = run.cfg, run.eval_rows, run.cfg.eval_samples
-    if not rows:
-        return {}
-    idx = list(range(min(len(rows), cfg.eval_max_prompts or len(rows))))
-    groups, _ = sample_groups(run.llm, run.tokenizer, rows, run.eval_ids, idx, cfg, k, cfg.eval_temperature,
-                              cfg.eval_top_p, (cfg.seed, "eval", tag), answers=True)
-    avg, pas, maj = [], [], []
-    for i, g in zip(idx, groups):
-        c = sum(s["correct"] for s in g)
-        avg.append(c / k)
-        pas.append(pass_at_k(k, c, k))
-        maj.append(majority_correct([s["answer"] for s in g], rows[i]["answer"]))
-    n = len(idx)
-    out = {f"eval/avg@{k}": sum(avg) / n, f"eval/pass@{k}": sum(pas) / n, f"eval/maj@{k}": sum(maj) / n}
-    for level in sorted({rows[i]["level"] for i in idx if "level" in rows[i]}):  # the carry task's difficulty
-        mine = [a for i, a in zip(idx, avg) if rows[i].get("level") == level]
-        out[f"eval/avg@{k}/d{level}"] = sum(mine) / len(mine)
-    print0(f"eval ({tag}): " + "  ".join(f"{name} {v:.3f}" for name, v in out.items()))
-    return out
 
 
 # -----------------------------------------------------------------------------------------
@@ -1154,7 +1182,7 @@ def load_checkpoint(ckpt, model, opt):
     try:
         dcp.load(sd, checkpoint_id=os.path.join(ckpt, "dcp"))
     except Exception as e:
-        raise DapoError(f"cannot resume from {ckpt}: {' '.join(str(e).split())[:300]}")
+        raise DapoError(f"cannot resume from {ckpt}: {_brief(e, 300)}")
     set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     rng_file = os.path.join(ckpt, f"rng_rank{rank()}.pt")
     if os.path.exists(rng_file):
@@ -1184,7 +1212,7 @@ def run_record(cfg, device):
 
 
 # -----------------------------------------------------------------------------------------
-# The loop: paper Algorithm 1, with its set-up and logging
+# Checks of the config, the data and the model, before anything slow starts
 
 def check_config(cfg):
     """Refuse settings that cannot run or would silently train wrongly, all in one line."""
@@ -1216,12 +1244,57 @@ def check_config(cfg):
         raise DapoError("; ".join(problems))
 
 
+def load_data(path, dedup=True):
+    """A data file's rows; dedup keeps the first of repeated prompts (DAPO-Math-17k repeats each ~100x).
+    tools/check_data.py reads and checks every row: a bad file is one line naming the file, row and fix."""
+    from tools import check_data
+    try:
+        rows = check_data.read(path)
+    except check_data.DataError as e:
+        raise DapoError(str(e)) from e
+    return check_data.distinct(rows) if dedup else rows
+
+
+def encode_prompt(tokenizer, prompt):
+    """Token ids of a prompt; the chat template is applied when the tokenizer has one."""
+    msgs = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    else:
+        text = "\n".join(m["content"] for m in msgs)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+class Sampler:
+    """Endless shuffled pass over n prompts: epoch e is permutation(seed + e), so (epoch, pos) is
+    all that resume needs to continue the same data order."""
+
+    def __init__(self, n, seed):
+        self.n, self.seed = n, seed
+        self.restore(0, 0)
+
+    def restore(self, epoch, pos):
+        self.epoch, self.pos = epoch, pos
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        self._perm = torch.randperm(self.n, generator=generator).tolist()
+
+    def take(self, k):
+        out = []
+        while len(out) < k:
+            if self.pos == self.n:
+                self.restore(self.epoch + 1, 0)
+            out.append(self._perm[self.pos])
+            self.pos += 1
+        return out
+
+
 def read_data(cfg):
     """(train rows, eval rows): the given files, or the built-in task and its held-out split."""
+    from tools import demo_model
     if cfg.train_data:
         train, held = load_data(cfg.train_data, cfg.dedup), []
     else:
-        train, held = demo_task(cfg.seed, cfg.task)
+        train, held = demo_model.demo_task(cfg.seed, cfg.task)
     if cfg.eval_data:
         held = load_data(cfg.eval_data, cfg.dedup)
     return train, held
@@ -1266,8 +1339,12 @@ def preflight(cfg):
         with open(os.path.join(ckpt, "state.json")) as f:
             state = json.load(f)
         check_resume(state["config"], cfg)
+    state.setdefault("nonfinite_streak", 0)
     return ckpt, state, data
 
+
+# -----------------------------------------------------------------------------------------
+# Set-up, logs and the progress bar
 
 def demo_model(cfg):
     """The built-in tiny model, built and warm-started (supervised, not DAPO) by rank 0 under out_dir."""
@@ -1275,8 +1352,8 @@ def demo_model(cfg):
     path = os.path.join(cfg.out_dir, "base_model")
     if rank() == 0:
         t = time.perf_counter()
-        info = tiny.build(path, demo_task(cfg.seed, cfg.task)[0], DEMO_TOKENS, cfg.seed,
-                                cfg.demo_sft_target, cfg.task)
+        info = tiny.build(path, tiny.demo_task(cfg.seed, cfg.task)[0], tiny.DEMO_TOKENS, cfg.seed,
+                          cfg.demo_sft_target, cfg.task)
         print0(f"built-in demo model: supervised warm-start (not DAPO) for {info['sft_steps']} steps "
                f"in {time.perf_counter() - t:.0f} s, expected accuracy {info['sft_expected_acc']:.2f}")
     torch.distributed.barrier()
@@ -1321,7 +1398,7 @@ def set_up(cfg):
     run.llm = start_engine(cfg, path, device, dummy_weights=not cfg.eval_only)
     if cfg.eval_only:
         return run
-    random.seed(cfg.seed + rank())  # PLUMBING: constructing LLM re-seeds the global RNGs; seed after it
+    random.seed(cfg.seed + rank())  # constructing LLM re-seeds the global RNGs; seed after it
     torch.manual_seed(cfg.seed)      # the same on every rank: identical initial replicas
     run.model = load_policy(cfg, path, device, weights=not ckpt)
     run.opt = torch.optim.AdamW(run.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -1337,20 +1414,17 @@ def set_up(cfg):
     return run
 
 
-def set_advantages(samples, cfg):
-    """Eq. 9 on the kept groups' shaped rewards, into each sample's "adv". Returns the effective
-    batch: the groups whose advantages are not all zero (they carry a gradient)."""
-    rewards = torch.tensor([s["reward"] for s in samples])
-    for s, a in zip(samples, group_advantages(rewards, cfg.group_size).tolist()):
-        s["adv"] = a
-    return int((rewards.view(-1, cfg.group_size).std(1) > 0).sum())
-
-
-def send_to_trainers(samples, cfg, meta_bytes):
-    """distribute(), then the bytes (metadata + tokens) received by the rank that received most."""
-    got = torch.tensor(meta_bytes + distribute(samples, cfg), dtype=torch.float64)
-    torch.distributed.all_reduce(got, op=torch.distributed.ReduceOp.MAX)
-    return got.item()
+def progress(run):
+    """The rollout steps left (from the checkpoint's on resume), with a tqdm bar on rank 0."""
+    from tqdm import tqdm
+    start = run.state["step"]
+    run.bar = tqdm(range(start, run.cfg.steps), desc="DAPO", disable=rank() != 0, dynamic_ncols=True,
+                   initial=start, total=run.cfg.steps)
+    _RUN["bar"] = run.bar  # for the Ctrl-C message (see main)
+    for step in run.bar:
+        _RUN["step"] = step + 1
+        yield step
+    run.bar.close()
 
 
 def log_step(run, step, m, every, samples, lr, ticks, evals):
@@ -1388,69 +1462,6 @@ def log_step(run, step, m, every, samples, lr, ticks, evals):
                   f"clip lo/hi {m['clip/low_frac']:.4f}/{m['clip/high_frac']:.4f}  "
                   f"entropy {m['entropy']:.3f}  len {m['len/mean']:.1f}  grad {m['grad_norm']:.3f}  "
                   f"{m['time/step']:.2f} s")
-
-
-def train(cfg):
-    """The paper's Algorithm 1. Returns the held-out metrics (before, after)."""
-    from tqdm import tqdm
-    run = set_up(cfg)
-    if cfg.eval_only:
-        return evaluate(run, os.path.basename(run.path.rstrip("/")) or "model"), {}
-    if not run.ckpt:
-        run.state["first_eval"] = evaluate(run, "before")
-    start = run.state["step"]
-    run.bar = tqdm(range(start, cfg.steps), desc="DAPO", disable=rank() != 0, dynamic_ncols=True,
-                   initial=start, total=cfg.steps)
-    _RUN["bar"] = run.bar  # for the Ctrl-C message (see main)
-    nonfinite_streak = 0
-    for step in run.bar:
-        _RUN["step"] = step + 1
-        ticks = [time.perf_counter()]
-
-        def generate(idx, b):  # G responses to each prompt of generation batch b, scored
-            return sample_groups(run.llm, run.tokenizer, run.train_rows, run.train_ids, idx, cfg,
-                                 cfg.group_size, cfg.temperature, cfg.top_p, (cfg.seed, step, b))
-
-        # 1. Sample and filter (Eq. 11): generation batches until N groups are kept; shape every reward.
-        kept, seen, m = collect_batch(generate, run.sampler, cfg)
-        every = [s for g in seen for s in g]
-        for s, r in zip(every, shape_rewards(every, cfg).tolist()):
-            s["reward"] = r
-        # 2. Advantages (Eq. 9) from the kept groups' shaped rewards; each sample's tokens then go
-        # to the rank that trains it.
-        samples = [s for g in kept for s in g]
-        m["batch/effective_groups"] = set_advantages(samples, cfg)
-        m["comm/bytes_received"] = send_to_trainers(samples, cfg, m.pop("comm/meta_bytes"))
-        # 3. μ gradient updates, with linear warm-up over rollout steps.
-        lr = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
-        for g in run.opt.param_groups:
-            g["lr"] = lr
-        if run.sleep:
-            run.llm.sleep(level=2)  # PLUMBING: free the KV cache and vLLM's weights while training
-        ticks.append(time.perf_counter())
-        m.update(update_policy(run.model, run.opt, samples, cfg, run.pad_id, run.device, nonfinite_streak))
-        nonfinite_streak = m["nonfinite/streak"]
-        ticks.append(time.perf_counter())
-        # 4. Push the new weights into vLLM.
-        if run.sleep:
-            run.llm.wake_up(tags=["weights"])  # weights first: they are reloaded before the KV cache returns
-        sync_weights(run.model, run.llm)
-        if run.sleep:
-            run.llm.wake_up()
-        ticks.append(time.perf_counter())
-        # 5. Log, evaluate, checkpoint.
-        evals = {}
-        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
-            evals = evaluate(run, f"step {step + 1}")
-        log_step(run, step + 1, m, every, samples, lr, ticks, evals)
-        if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
-            save_checkpoint(run, step + 1)
-    run.bar.close()
-    first, last = run.state["first_eval"], evaluate(run, "after")
-    if first and last:
-        key = f"eval/avg@{cfg.eval_samples}"
-        print0(f"held-out accuracy: before {first[key]:.2f} -> after {last[key]:.2f}")
-    return first, last
 
 
 # -----------------------------------------------------------------------------------------

@@ -8,9 +8,9 @@ responses average ~110 tokens at a maximum of 256, ragged as DAPO's are. Dynamic
 one gradient update per rollout step (--num-mini-batches 1), the demo's micro-batch size (256
 sequences) unless --micro-batch-tokens is given. Prints the medians over --steps steps after
 --warmup steps: generation, reward, update, sync, the whole step, and the update per real
-(prompt + response) token. It only calls dapo.py's public functions (and demo_model.py beside it),
-so `cd OLD && python NEW/tools/bench_step.py` measures an older checkout: before/after ratios in
-one session.
+(prompt + response) token. It only calls dapo.py's functions (and demo_model.py beside it), so
+`cd OLD && python NEW/tools/bench_step.py` measures an older checkout with the same API: before/after
+ratios in one session.
 """
 import argparse
 import os
@@ -18,6 +18,7 @@ import statistics
 import sys
 import tempfile
 import time
+import types
 
 sys.path.insert(0, os.getcwd())  # the dapo.py of the checkout it is run from
 import torch  # noqa: E402
@@ -40,8 +41,7 @@ def main():
     from transformers import AutoTokenizer
     path = os.path.join(tempfile.mkdtemp(prefix="bench_step_"), "model")
     # the demo's tokenizer, widened to 128 tokens: EOS is one token in 128
-    tokens = [dapo.DAPO_HEAD, dapo.DAPO_TAIL, "Answer:"]
-    model, tok = demo_model.tiny_qwen2(tokens, vocab=128, max_len=16 + a.max_response_len, fill=True)
+    model, tok = demo_model.tiny_qwen2(demo_model.DEMO_TOKENS, vocab=128, max_len=16 + a.max_response_len, fill=True)
     model.save_pretrained(path)
     tok.save_pretrained(path)
     cfg = dapo.Config(model=path, prompts_per_step=a.prompts, group_size=a.group_size, gen_batch_size=a.prompts,
@@ -51,7 +51,7 @@ def main():
                       warmup_steps=1)
     device = dapo.init_distributed()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    rows, _ = dapo.demo_task(cfg.seed)
+    rows, _ = demo_model.demo_task(cfg.seed)
     prompt_ids = [dapo.encode_prompt(tokenizer, r["prompt"]) for r in rows]
     llm = dapo.start_engine(cfg, path, device)  # (no dummy weights: older checkouts lack them)
     torch.manual_seed(cfg.seed)
@@ -59,26 +59,26 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     dapo.sync_weights(model, llm)
     sampler = dapo.Sampler(len(rows), cfg.seed)
-    pad_id = tokenizer.pad_token_id
+    run = types.SimpleNamespace(cfg=cfg, llm=llm, tokenizer=tokenizer, model=model, opt=opt, device=device,
+                                pad_id=tokenizer.pad_token_id, state={})
     if a.seeds:
         return bench_seeds(a, cfg, llm, sampler, prompt_ids)
     rec = []
     for step in range(a.warmup + a.steps):
         t0 = time.perf_counter()
-        groups, t = dapo.sample_groups(llm, tokenizer, rows, prompt_ids, sampler.take(a.prompts), cfg, cfg.group_size,
+        groups, t = dapo.sample_groups(run, rows, prompt_ids, sampler.take(a.prompts), cfg.group_size,
                                        cfg.temperature, cfg.top_p, (cfg.seed, step, 0))
         samples = [s for g in groups for s in g]
         rewards = dapo.shape_rewards(samples, cfg)
         for s, r, adv in zip(samples, rewards.tolist(), dapo.group_advantages(rewards, cfg.group_size).tolist()):
             s.update(reward=r, adv=adv)
-        if hasattr(dapo, "distribute"):  # older checkouts send every sample's tokens to every rank
-            dapo.distribute(samples, cfg)
+        dapo.distribute(samples, cfg)
         t1 = time.perf_counter()
-        dapo.update_policy(model, opt, samples, cfg, pad_id, device)
+        dapo.update_policy(run, samples)
         t2 = time.perf_counter()
         dapo.sync_weights(model, llm)
         t3 = time.perf_counter()
-        lens = [s["len"] if "len" in s else len(s["response_ids"]) for s in samples]  # older checkouts: no "len"
+        lens = [s["len"] for s in samples]
         tokens = sum(len(s["prompt_ids"]) for s in samples) + sum(lens)
         r = {"generation": t["time/rollout"], "reward": t["time/reward"], "update": t2 - t1, "sync": t3 - t2,
              "step": t3 - t0, "update_per_token": (t2 - t1) / tokens,

@@ -1,24 +1,71 @@
 """
 demo_model.py: the built-in demo's tiny model. NOT DAPO: a random model cannot write `Answer: <n>`,
 so a short supervised warm-start on the task's reference solutions stands in for pretraining, until
-the expected accuracy of sampling at T = 1 reaches a target. dapo.py builds it when --model is not
-given; run alone, it builds one for --model (the ladder shares one between all its runs).
+the expected accuracy of sampling at T = 1 reaches a target. Also the built-in tasks themselves
+(addition prompts in the DAPO template). dapo.py builds the model when --model is not given; run
+alone, this builds one for --model (the ladder shares one between all its runs).
 
     python tools/demo_model.py runs/base                                  # the addition demo's
     python tools/demo_model.py runs/carry-base --task carry
 """
 
 import argparse
-import os
-import sys
+import random
 
 import torch
 import torch.nn.functional as F
 
 # The warm-start's settings. The stopping test costs a forward pass over 256 rows, so it runs every
 # few steps. carry: batches of one level (mixing lengths wasted the budget on padding), with a warm-up.
-WARM_START = {"add": dict(batch=128, lr=1e-3, warmup=1, check_every=5, max_steps=400),
-              "carry": dict(batch=32, lr=3e-3, warmup=50, check_every=10, max_steps=3000)}
+# target: the expected accuracy to stop at (dapo.py's --demo-sft-target: DEMO's and CARRY's).
+WARM_START = {"add": dict(batch=128, lr=1e-3, warmup=1, check_every=5, max_steps=400, target=0.3),
+              "carry": dict(batch=32, lr=3e-3, warmup=50, check_every=10, max_steps=3000, target=0.25)}
+
+# The built-in tasks: addition prompts in the DAPO template, made on the fly, no download.
+DAPO_HEAD = ("Solve the following math problem step by step. The last line of your response should "
+             "be of the form Answer: $Answer (without quotes) where $Answer is the answer to the "
+             "problem.\n\n")
+DAPO_TAIL = "\n\nRemember to put your answer on its own line after \"Answer:\"."
+DEMO_TOKENS = [DAPO_HEAD, DAPO_TAIL, "Answer:"]  # single tokens: prompts stay ~10 tokens long
+
+
+def demo_task(seed=0, task="add"):
+    """The built-in task's (train, held-out) rows, each with a reference "solution" for the warm-start.
+    add: a+b with a, b in 10..99, 300 held out. carry: operands of 1-5 digits, solved column by column
+    (347+589= -> 7+9=16, 4+8+1=13, 3+5+1=9, Answer: 936); "level" is the number of columns, and 250
+    problems of each level are held out (20 of the 100 one-column ones)."""
+    rng = random.Random(seed)
+    if task == "add":
+        rows = [{"prompt": f"{DAPO_HEAD}{a}+{b}={DAPO_TAIL}", "answer": str(a + b),
+                 "solution": f"Answer: {a + b}"} for a in range(10, 100) for b in range(10, 100)]
+        rng.shuffle(rows)
+        return rows[300:], rows[:300]
+    rng = random.Random(0)  # carry is one fixed dataset, as a data file would be; --seed varies the rest
+    train, held = [], []
+    for n in range(1, 6):
+        pairs = set()  # distinct problems first, then the split: there are only 100 of level 1
+        while len(pairs) < (100 if n == 1 else 5000):
+            a = rng.randrange(10 ** (n - 1) if n > 1 else 0, 10 ** n)
+            m = rng.randint(1, n)
+            b = rng.randrange(10 ** (m - 1) if m > 1 else 0, 10 ** m)
+            pairs.add((a, b) if rng.random() < 0.5 else (b, a))
+        pairs = sorted(pairs)
+        rng.shuffle(pairs)
+        rows = [{"prompt": f"{DAPO_HEAD}{a}+{b}={DAPO_TAIL}", "answer": str(a + b), "level": n,
+                 "solution": carry_solution(a, b)} for a, b in pairs]
+        cut = 20 if n == 1 else 250
+        held, train = held + rows[:cut], train + rows[cut:]
+    rng.shuffle(train)
+    return train, held
+
+
+def carry_solution(a, b):
+    lines, carry = [], 0
+    for i in range(max(len(str(a)), len(str(b)))):
+        x, y = a // 10 ** i % 10, b // 10 ** i % 10
+        lines.append(f"{x}+{y}{'+1' if carry else ''}={x + y + carry}")
+        carry = (x + y + carry) // 10
+    return "\n".join(lines + [f"Answer: {a + b}"])
 
 
 def tiny_qwen2(added_tokens, vocab=32, max_len=128, seed=0, fill=False):
@@ -106,14 +153,11 @@ def main():
     p.add_argument("path", help="directory to write the model and tokenizer to")
     p.add_argument("--task", default="add", choices=sorted(WARM_START))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sft-target", type=float, help="stop at this expected accuracy (default: dapo.py's)")
+    p.add_argument("--sft-target", type=float, help="stop at this expected accuracy (default: the task's "
+                   "WARM_START target, as dapo.py's)")
     a = p.parse_args()
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import dapo
-    rows, _ = dapo.demo_task(a.seed, a.task)
-    if a.sft_target is None:
-        a.sft_target = dapo.parse_config(["--task", a.task]).demo_sft_target
-    info = build(a.path, rows, dapo.DEMO_TOKENS, a.seed, a.sft_target, a.task)
+    target = WARM_START[a.task]["target"] if a.sft_target is None else a.sft_target
+    info = build(a.path, demo_task(a.seed, a.task)[0], DEMO_TOKENS, a.seed, target, a.task)
     print(f"{a.path}: supervised warm-start (not DAPO) for {info['sft_steps']} steps, expected accuracy "
           f"{info['sft_expected_acc']:.3f}")
 

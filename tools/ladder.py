@@ -107,7 +107,7 @@ def first_reach(c, target):
 
 def report(args):
     counts = {}
-    for r in dapo.demo_task(0, "carry")[1]:
+    for r in demo_model.demo_task(0, "carry")[1]:
         counts[r["level"]] = counts.get(r["level"], 0) + 1
     runs = {}  # rung index -> [run]
     for i in range(len(RUNGS)):
@@ -208,8 +208,8 @@ def main():
         return
     if not args.report:
         if not os.path.exists(os.path.join(base_model(args), "config.json")):
-            rows, sft_target = dapo.demo_task(0, "carry")[0], dapo.CARRY["demo_sft_target"]
-            info = demo_model.build(base_model(args), rows, dapo.DEMO_TOKENS, 0, sft_target, "carry")
+            rows, sft_target = demo_model.demo_task(0, "carry")[0], dapo.CARRY["demo_sft_target"]
+            info = demo_model.build(base_model(args), rows, demo_model.DEMO_TOKENS, 0, sft_target, "carry")
             print(f"warm-start (not DAPO): {info}", flush=True)
         for seed, c in commands(args):
             out_dir = c[c.index("--out-dir") + 1]
