@@ -76,6 +76,7 @@ class Config:
     soft_overlong_punishment: bool = True  # Eq. 13: length penalty added to the reward
     overlong_cache_len: int = 4096   # L_cache (Eq. 13): the soft-punishment interval
     dual_clip: float = 0.0           # dual-clip PPO's c > 1, bounds the loss if A < 0 (ref. run: 10); 0 = off
+    loss: str = "dapo"               # the objective: dapo (Eq. 10/12), gspo, cispo or dr_grpo (LOSSES)
     tis_cap: float = 0.0             # truncated importance sampling vs vLLM, cap C; 0 = off (the paper)
     # optimisation (paper Sec. 4.1)
     lr: float = 1e-6                 # AdamW learning rate
@@ -116,8 +117,8 @@ class Config:
     hf_shard_gb: float = 5.0         # largest safetensors file of the Hugging Face export, GB
 
 
-# The built-in demo's own settings, applied only when --model is not given (a flag given on the
-# command line still wins). A 0.5M-parameter model needs a far larger lr than a 32B one.
+# The built-in task's settings, applied on the built-in model (no --model, or a saved demo model; a flag
+# given on the command line still wins). A 0.5M-parameter model needs a far larger lr than a 32B one.
 DEMO = dict(prompts_per_step=64, group_size=8, gen_batch_size=96, max_prompt_len=16,
             max_response_len=8, overlong_cache_len=2, lr=3e-4, warmup_steps=20,
             num_mini_batches=2, micro_batch_size=256, steps=250, eval_every=100, eval_samples=4,
@@ -125,16 +126,24 @@ DEMO = dict(prompts_per_step=64, group_size=8, gen_batch_size=96, max_prompt_len
 # --task carry: written reasoning of 10 to 50 tokens, so each DAPO technique has something to act on.
 CARRY = dict(DEMO, prompts_per_step=32, gen_batch_size=48, max_response_len=96, overlong_cache_len=24,
              lr=2e-4, steps=75, eval_every=25, demo_sft_target=0.25, out_dir="runs/carry")
+# --loss: DAPO's objective, or one proposed after it, each with its paper's settings (policy_loss,
+# loss_normaliser). GSPO (Zheng et al. 2025): one ratio per sequence, so a far narrower clip. CISPO
+# (MiniMax-M1, 2025): no lower bound on the weight (its tuned ε_high is unpublished: DAPO's is kept).
+# Dr. GRPO (Liu et al. 2025): PPO's symmetric clip; no std in Eq. 9, a constant normaliser.
+LOSSES = {"dapo": {}, "gspo": dict(eps_low=3e-4, eps_high=4e-4), "cispo": dict(eps_low=1.0),
+          "dr_grpo": dict(eps_high=0.2)}
 
 
 # -----------------------------------------------------------------------------------------
 # The DAPO maths: pure functions, tensors in, tensors out.
 
-def group_advantages(rewards, group_size, eps=1e-6):
-    """Eq. 9: A_i = (R_i - mean(R_group)) / (std(R_group) + eps), unbiased std.
-    rewards: (B,), groups as contiguous blocks -> (B,). Uniform groups get 0."""
+def group_advantages(rewards, group_size, scale=True, eps=1e-6):
+    """Eq. 9: A_i = (R_i - mean(R_group)) / (std(R_group) + eps), unbiased std; scale=False: Dr. GRPO's
+    R_i - mean(R_group), no division by the std. rewards: (B,), groups as contiguous blocks -> (B,)."""
     r = rewards.view(-1, group_size).float()
-    adv = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True, unbiased=True) + eps)
+    adv = r - r.mean(1, keepdim=True)
+    if scale:
+        adv = adv / (r.std(1, keepdim=True, unbiased=True) + eps)
     return adv.view(-1)
 
 
@@ -152,31 +161,40 @@ def dynamic_sampling_mask(correct, group_size):
     return (n > 0) & (n < group_size)
 
 
-def dapo_loss(logp, old_logp, advantages, mask, cfg, norm, tis_weight=None):
-    """Eq. 10/12, the decoupled-clip surrogate as a loss to minimise; logp, old_logp, mask: (B, T),
-    advantages: (B,). norm = (per_sample, n) from loss_normaliser: the loss is the sum of the token losses
-    (first averaged within each sample if per_sample) divided by n, a count over the WHOLE mini-batch, so
-    that the micro-batch losses add up exactly to the mini-batch's. Returns (loss, clip fractions, KL)."""
+def policy_loss(logp, old_logp, advantages, mask, cfg, norm=None, tis_weight=None):
+    """The objective of cfg.loss as a loss to minimise: DAPO's decoupled-clip surrogate (Eq. 10) or a
+    variant. logp, old_logp, mask: (B, T); advantages: (B,). norm = (per_sample, n) from loss_normaliser:
+    the sum of the token losses (each sample's first averaged if per_sample) is divided by n, a count over
+    the WHOLE mini-batch, so that micro-batch losses add up exactly (None: this batch's token mean).
+    Returns (loss, stats): where the clip binds (clip/low_frac, clip/high_frac), and the KL estimate."""
     adv = advantages.unsqueeze(-1)
     log_ratio = torch.where(mask.bool(), logp - old_logp, 0.0)  # padding never reaches exp()
     log_ratio = log_ratio.clamp(-20.0, 20.0)  # as verl: a wild token cannot overflow exp()
-    ratio = torch.exp(log_ratio)
+    ratio = r = torch.exp(log_ratio)  # r_t = π_θ / π_θold, per token
     lo, hi = 1 - cfg.eps_low, 1 + cfg.eps_high
-    # DAPO (Clip-Higher): the upper clip 1 + eps_high is decoupled from the lower 1 - eps_low
-    per_token = -torch.min(ratio * adv, torch.clamp(ratio, lo, hi) * adv)
-    if cfg.dual_clip:  # dual-clip PPO: the loss of an A < 0 token is at most -c A
-        per_token = torch.where(adv < 0, torch.minimum(per_token, -cfg.dual_clip * adv), per_token)
+    if cfg.loss == "gspo":  # GSPO (Zheng et al. 2025, Eq. 5-7): s_i = exp(mean log-ratio), clipped whole
+        seq = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+        r = torch.exp(seq).expand_as(ratio)  # each token carries its sequence's ratio (per_sample below)
+    if cfg.loss == "cispo":  # CISPO (MiniMax-M1 2025, Eq. 4): a clipped, detached weight times A log π
+        per_token = -torch.clamp(r, lo, hi).detach() * adv * logp  # so every token keeps a gradient
+    else:  # DAPO (Clip-Higher): the upper clip 1 + eps_high is decoupled from the lower 1 - eps_low
+        per_token = -torch.min(r * adv, torch.clamp(r, lo, hi) * adv)
+        if cfg.dual_clip:  # dual-clip PPO: the loss of an A < 0 token is at most -c A
+            per_token = torch.where(adv < 0, torch.minimum(per_token, -cfg.dual_clip * adv), per_token)
     if tis_weight is not None:
         per_token = per_token * tis_weight
     per_sample, n = norm if norm is not None else (False, mask.sum())
     per_token = per_token * mask
-    if per_sample:  # GRPO: each sample weighs the same, whatever its length
+    if per_sample:  # GRPO, GSPO: each sample weighs the same, whatever its length
         per_token = per_token.sum(-1) / mask.sum(-1).clamp(min=1)
     loss = per_token.sum() / max(float(n), 1.0)  # DAPO (token-level loss, Eq. 12): every token the same
-    with torch.no_grad():  # where the clip is active (the gradient is zero there)
+    with torch.no_grad():  # the PPO clip zeroes the gradient beyond a bound; CISPO caps the weight there
+        low, high = r < lo, r > hi
+        if cfg.loss != "cispo":  # the PPO clip binds only on the side the advantage pushes towards
+            low, high = low & (adv < 0), high & (adv > 0)
         count = mask.sum().clamp(min=1)
-        stats = {"clip/low_frac": (((ratio < lo) & (adv < 0)).float() * mask).sum() / count,
-                 "clip/high_frac": (((ratio > hi) & (adv > 0)).float() * mask).sum() / count,
+        stats = {"clip/low_frac": (low.float() * mask).sum() / count,
+                 "clip/high_frac": (high.float() * mask).sum() / count,
                  "approx_kl": ((ratio - 1 - log_ratio) * mask).sum() / count}  # k3 estimate of KL(old||new)
     return loss, stats
 
@@ -346,7 +364,8 @@ def collect_batch(sample_fn, sampler, cfg):
 def set_advantages(samples, cfg):
     """Eq. 9 on the kept groups' shaped rewards, into each sample's "adv". Returns the effective
     batch: the groups whose advantages are not all zero (they carry a gradient)."""
-    adv = group_advantages(torch.tensor([s["reward"] for s in samples]), cfg.group_size)
+    adv = group_advantages(torch.tensor([s["reward"] for s in samples]), cfg.group_size,
+                           scale=cfg.loss != "dr_grpo")  # Dr. GRPO: no division by the std
     for s, a in zip(samples, adv.tolist()):
         s["adv"] = a
     return int((adv.view(-1, cfg.group_size) != 0).any(1).sum())
@@ -460,13 +479,15 @@ def old_logprobs(model, plan, cfg, pad_id, device):
 
 
 def loss_normaliser(mini, cfg):
-    """Which samples of a mini-batch are trained on, and what their loss is divided by, decided here
-    once, over ALL of the mini-batch (every micro-batch and rank), so that the micro-batch losses add
-    up exactly to the mini-batch's. Returns (per_sample, n) for dapo_loss."""
+    """Which samples of a mini-batch are trained on, and what their loss is divided by, for every
+    variant, decided here once over ALL of the mini-batch (every micro-batch and rank), so that the
+    micro-batch losses add up exactly to the mini-batch's. Returns (per_sample, n) for policy_loss."""
     for s in mini:  # DAPO (overlong filtering, Sec. 3.4): a truncated sample teaches nothing
         s["trained"] = not (cfg.overlong_filtering and s["truncated"])
     trained = [s for s in mini if s["trained"]]
-    if not cfg.token_level_loss:  # GRPO: the mean of the per-sample means
+    if cfg.loss == "dr_grpo":  # Dr. GRPO: a constant, L_max x samples: no length bias either way
+        return False, cfg.max_response_len * len(mini)
+    if cfg.loss == "gspo" or not cfg.token_level_loss:  # GSPO, GRPO: the mean of the per-sample means
         return True, len(trained)
     return False, sum(s["len"] for s in trained)  # DAPO (token-level loss, Eq. 12): all tokens
 
@@ -493,7 +514,7 @@ def policy_gradient(model, mini, micros, cfg, pad_id, device, first=False):
             rollout = pad_sequence([torch.tensor(s["vllm_logp"]) for s in mb], batch_first=True).to(device)
             tis, st = tis_weights(old, rollout, mask, cfg.tis_cap)
         adv = torch.tensor([s["adv"] for s in mb], device=device)
-        loss, clip_st = dapo_loss(logp, old, adv, mask, cfg, norm, tis)
+        loss, clip_st = policy_loss(logp, old, adv, mask, cfg, norm, tis)
         (loss * world()).backward()  # PLUMBING: FSDP2 averages gradients over ranks; Eq. 12 wants the sum
         n = mask.sum().item()
         st.update(clip_st, entropy=(ent * mask).sum() / max(n, 1.0))
@@ -600,25 +621,40 @@ def _brief(e, limit=200):
     return " ".join(str(e).split())[:limit]
 
 
+def presets(cfg):
+    """The presets that apply, in order, as (name, settings): the built-in task's on the built-in model
+    (none given, or one that tools/demo_model.py built: its config says so), then the --loss variant's."""
+    out = []
+    config = os.path.join(os.path.expanduser(cfg.model), "config.json")
+    if not cfg.model or (os.path.isfile(config) and "dapo_demo_task" in json.load(open(config))):
+        out.append((f"--task {cfg.task}", CARRY if cfg.task == "carry" else DEMO))
+    return out + ([(f"--loss {cfg.loss}", LOSSES[cfg.loss])] if LOSSES.get(cfg.loss) else [])
+
+
 def parse_config(argv=None, cls=Config):
-    """Flags generated from Config (or a subclass: tools/plan.py's); a field's comment is its help."""
+    """Flags generated from Config (or a subclass: tools/plan.py's); a field's comment is its help,
+    followed by the values the presets give it. A flag given on the command line beats every preset."""
     import argparse
     import inspect
     source = "".join(inspect.getsource(c) for c in cls.__mro__ if dataclasses.is_dataclass(c))
     helps = dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", source, re.M))
+    named = {"--task add": DEMO, "--task carry": CARRY, **{f"--loss {k}": v for k, v in LOSSES.items()}}
     p = argparse.ArgumentParser(description=sys.modules[cls.__module__].__doc__.strip().split("\n\n")[0])
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
-        demo = f"; demo: {DEMO[f.name]!r}" if f.name in DEMO else ""
-        help = f"{helps.get(f.name, '')} (default: {f.default!r}{demo})".replace("%", "%%")
+        set_by = "".join(f"; {name}: {p[f.name]!r}" for name, p in named.items() if f.name in p)
+        if f.name == "loss":
+            set_by = "".join(f"; {k} sets {', '.join(f'{n}={v}' for n, v in p.items()) or 'nothing'}"
+                             for k, p in LOSSES.items())
+        help = f"{helps.get(f.name, '')} (default: {f.default!r}{set_by})".replace("%", "%%")
         if isinstance(f.default, bool):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help)
         else:
             p.add_argument(flag, type=type(f.default), default=None, help=help)
     given = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
     cfg = cls(**given)
-    if not cfg.model:  # the built-in demo: its own settings, unless given explicitly
-        for k, v in (CARRY if cfg.task == "carry" else DEMO).items():
+    for _, preset in presets(cfg):
+        for k, v in preset.items():
             if k not in given:
                 setattr(cfg, k, v)
     return cfg
@@ -1109,10 +1145,16 @@ def latest_checkpoint(out_dir):
 
 
 def check_resume(saved, cfg):
-    """Refuse to resume under a config that would silently change the run."""
-    now = dataclasses.asdict(cfg)
-    diff = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {now[k]!r}" for k in now
-            if k not in RESUMABLE and saved.get(k) != now[k]]
+    """Refuse to resume under a config that would silently change the run. A field the checkpoint
+    predates (a newer dapo.py, or a fork's) counts as its default, with a note."""
+    now, default = dataclasses.asdict(cfg), dataclasses.asdict(type(cfg)())
+    new = [k for k in now if k not in saved]
+    if new:
+        print0(f"resume: the checkpoint predates {', '.join('--' + k.replace('_', '-') for k in new)}: "
+               f"it ran with the default")
+    saved = {**default, **saved}
+    diff = [f"--{k.replace('_', '-')} {saved[k]!r} -> {now[k]!r}" for k in now
+            if k not in RESUMABLE and saved[k] != now[k]]
     if diff:
         raise DapoError("cannot resume: the config differs from the checkpoint's: " + "; ".join(diff))
 
@@ -1347,15 +1389,16 @@ def preflight(cfg):
 # Set-up, logs and the progress bar
 
 def demo_model(cfg):
-    """The built-in tiny model, built and warm-started (supervised, not DAPO) by rank 0 under out_dir."""
+    """The built-in tiny model, warm-started (supervised, not DAPO) or taken from the cache of an
+    identical earlier warm-start, by rank 0 into out_dir/base_model."""
     from tools import demo_model as tiny
     path = os.path.join(cfg.out_dir, "base_model")
     if rank() == 0:
         t = time.perf_counter()
-        info = tiny.build(path, tiny.demo_task(cfg.seed, cfg.task)[0], tiny.DEMO_TOKENS, cfg.seed,
-                          cfg.demo_sft_target, cfg.task)
+        info, cache, hit = tiny.cached_build(path, cfg.task, cfg.seed, cfg.demo_sft_target)
+        how = f"taken from {cache} (delete it to rebuild)" if hit else f"in {time.perf_counter() - t:.0f} s"
         print0(f"built-in demo model: supervised warm-start (not DAPO) for {info['sft_steps']} steps "
-               f"in {time.perf_counter() - t:.0f} s, expected accuracy {info['sft_expected_acc']:.2f}")
+               f"{how}, expected accuracy {info['sft_expected_acc']:.2f}")
     torch.distributed.barrier()
     return path
 
@@ -1386,6 +1429,10 @@ def set_up(cfg):
     from transformers import AutoTokenizer
     ckpt, state, data = preflight(cfg)
     device = init_distributed(cfg.collective_timeout_min)
+    applied = [f"{name} ({', '.join(f'{k}={v}' for k, v in p.items() if getattr(cfg, k) == v)})"
+               for name, p in presets(cfg) if p]
+    print0(f"presets: {'; '.join(applied) or 'none (the paper defaults)'}; a flag given on the command "
+           f"line wins")
     if ckpt:
         check_checkpoint(ckpt, cfg.eval_only)
     # On resume the config and tokenizer come from the checkpoint's export; the weights from its dcp/.

@@ -374,13 +374,13 @@ def test_dynamic_sampling_mask():
 
 
 def _loss(logp, old, adv, mask, token_level=True, num_tokens=None, num_samples=None, tis_weight=None, **cfg):
-    """dapo_loss, normalised by this batch's token count (per sample: its sample count) unless the
+    """policy_loss, normalised by this batch's token count (per sample: its sample count) unless the
     whole mini-batch's is given; **cfg: Config fields (eps_high, dual_clip, ...)."""
     if token_level:
         n = mask.sum() if num_tokens is None else num_tokens
     else:
         n = mask.shape[0] if num_samples is None else num_samples
-    return dapo.dapo_loss(logp, old, adv, mask, dapo.Config(**cfg), (not token_level, n), tis_weight)
+    return dapo.policy_loss(logp, old, adv, mask, dapo.Config(**cfg), (not token_level, n), tis_weight)
 
 
 def _loss_at(ratio, adv, **kw):
@@ -494,6 +494,73 @@ def test_token_level_differs_from_sample_level():
     assert g_tok[0, 0].item() == pytest.approx(-1 / 12)   # every token weighs 1/12
     assert g_smp[0, 0].item() == pytest.approx(-1 / 20)   # a long sample's token weighs 1/(2*10)
     assert g_smp[1, 0].item() == pytest.approx(1 / 4)     # a short sample's token weighs 1/(2*2)
+
+
+def _stubs(lengths, truncated=()):
+    return [{"len": n, "truncated": i in truncated} for i, n in enumerate(lengths)]
+
+
+def test_gspo_clips_a_sequence_as_a_whole_and_each_token_gets_its_share():
+    """GSPO: s_i = exp(mean log-ratio). Sequence 0 (A = +1): its first token's own ratio is 1, inside
+    the clip, but s_0 = e^0.2 is beyond 1 + 4e-4, so no token of it gets a gradient (DAPO's token clip
+    would train that token). Sequence 1 (A = -1, s_1 = 1): each of its 4 tokens gets 1/(|y| N) = 1/8."""
+    cfg = dapo.Config(loss="gspo", **dapo.LOSSES["gspo"])
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    logp = torch.tensor([[0.0, 0.4, 0.0, 0.0], [0.002, -0.002, 0.001, -0.001]], dtype=torch.float64,
+                        requires_grad=True)
+    old, adv = torch.zeros(2, 4, dtype=torch.float64), torch.tensor([1.0, -1.0], dtype=torch.float64)
+    norm = dapo.loss_normaliser(_stubs([2, 4]), cfg)
+    assert norm == (True, 2)                                         # the mean of the sequence means
+    loss, st = dapo.policy_loss(logp, old, adv, mask, cfg, norm)
+    loss.backward()
+    assert loss.item() == pytest.approx((-(1 + 4e-4) + 1.0) / 2)     # clipped value, then s_1 |A|
+    assert logp.grad[0].abs().max().item() == 0.0                    # the whole sequence is clipped
+    torch.testing.assert_close(logp.grad[1], torch.full((4,), 1 / 8, dtype=torch.float64))
+    assert st["clip/high_frac"].item() == pytest.approx(2 / 6) and st["clip/low_frac"].item() == 0
+    dapo_grad = torch.autograd.grad(_loss(logp, old, adv, mask)[0], logp)[0]
+    assert dapo_grad[0, 0].item() != 0                               # DAPO's token clip would train it
+
+
+def test_cispo_keeps_the_gradient_beyond_the_clip_with_its_weight_capped():
+    """CISPO: -sg(clip(r, 1 - eps_low, 1 + eps_high)) A log pi. A token at r = 2 (A > 0) still gets a
+    gradient, with its weight capped at 1.28; one at r = 1.1 gets exactly DAPO's gradient; with no lower
+    bound (eps_low = 1) a token at r = 0.5 (A < 0) keeps its weight 0.5, where DAPO's clip zeroes it."""
+    cfg = dapo.Config(loss="cispo", **dapo.LOSSES["cispo"])
+    assert cfg.eps_low == 1.0 and cfg.eps_high == 0.28
+    logp = torch.tensor([[math.log(2.0), math.log(1.1)], [math.log(0.5), 0.0]], dtype=torch.float64,
+                        requires_grad=True)
+    old, mask = torch.zeros(2, 2, dtype=torch.float64), torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    loss, st = dapo.policy_loss(logp, old, adv, mask, cfg)                # the token mean, over 3 tokens
+    loss.backward()
+    assert loss.item() == pytest.approx(-(1.28 * math.log(2.0) + 1.1 * math.log(1.1) - 0.5 * math.log(0.5)) / 3)
+    torch.testing.assert_close(logp.grad, torch.tensor([[-1.28 / 3, -1.1 / 3], [0.5 / 3, 0.0]], dtype=torch.float64))
+    dapo_grad = torch.autograd.grad(_loss(logp, old, adv, mask, eps_low=0.2)[0], logp)[0]
+    assert dapo_grad[0, 0].item() == 0 and dapo_grad[1, 0].item() == 0    # DAPO's clip: no gradient there
+    assert dapo_grad[0, 1].item() == pytest.approx(logp.grad[0, 1].item(), abs=1e-15)
+    assert st["clip/high_frac"].item() == pytest.approx(1 / 3)            # where the weight is capped
+    assert st["clip/low_frac"].item() == 0
+
+
+def test_dr_grpo_divides_by_a_constant_and_keeps_the_mean_centred_advantage():
+    """Dr. GRPO: A_i = R_i - mean (no std) and the loss divided by L_max x samples (here 8 x 4), whatever
+    the lengths and even where overlong filtering masks a sample; each token's gradient is -A / 32."""
+    cfg = dapo.Config(loss="dr_grpo", max_response_len=8, group_size=4, soft_overlong_punishment=False)
+    samples = [dict(s, correct=c) for s, c in zip(_stubs([2, 3, 1, 4], truncated=(3,)), (True, False, False, False))]
+    for s, r in zip(samples, dapo.shape_rewards(samples, cfg).tolist()):
+        s["reward"] = r
+    assert dapo.set_advantages(samples, cfg) == 1
+    assert [s["adv"] for s in samples] == [1.5, -0.5, -0.5, -0.5]        # R - mean(R): 1, -1, -1, -1
+    norm = dapo.loss_normaliser(samples, cfg)
+    assert norm == (False, 8 * 4) and [s["trained"] for s in samples] == [True, True, True, False]
+    mask = (torch.arange(4) < torch.tensor([2, 3, 1, 4])[:, None]).double()
+    mask[3] = 0.0                                                         # as policy_gradient masks it
+    logp = torch.zeros(4, 4, dtype=torch.float64, requires_grad=True)
+    adv = torch.tensor([s["adv"] for s in samples], dtype=torch.float64)
+    loss, _ = dapo.policy_loss(logp, logp.detach(), adv, mask, cfg, norm)
+    loss.backward()
+    assert loss.item() == pytest.approx(-(1.5 * 2 - 0.5 * 3 - 0.5 * 1) / 32)
+    torch.testing.assert_close(logp.grad, (-adv[:, None] / 32) * mask)
 
 
 def test_token_logprobs_matches_log_softmax():
@@ -752,13 +819,15 @@ def test_flags_are_generated_from_the_config():
 
 # --- distributed exactness: 2 ranks x 2 micro-batches == 1 process x 1 batch ------------------
 
-def _grad_worker(model_dir, out_path, micro_batch_size, micro_batch_tokens=0, grad_checkpointing=0, padded=0):
+def _grad_worker(model_dir, out_path, micro_batch_size, micro_batch_tokens=0, grad_checkpointing=0, padded=0,
+                 variants=0):
     """Run under torchrun (or alone): the gradient of one mini-batch through FSDP2.
-    padded=1: through the padded layout of _padded_collate (the reference for packed rows)."""
+    padded=1: through the padded layout of _padded_collate (the reference for packed rows).
+    variants=1: {loss: gradient} for every --loss variant, each with its preset."""
     import random
     if padded:
         dapo.collate, dapo.forward_logprobs = _padded_collate, _padded_forward_logprobs
-    cfg = dapo.Config(micro_batch_size=micro_batch_size, num_mini_batches=1, logprob_chunk=3,
+    cfg = dapo.Config(micro_batch_size=micro_batch_size, num_mini_batches=1, logprob_chunk=3, max_response_len=16,
                       overlong_filtering=True, micro_batch_tokens=micro_batch_tokens,
                       grad_checkpointing=bool(grad_checkpointing))
     device = dapo.init_distributed()
@@ -777,9 +846,15 @@ def _grad_worker(model_dir, out_path, micro_batch_size, micro_batch_tokens=0, gr
     if not micro_batch_tokens:
         assert len(plan[0]) == 8 // dapo.world() // micro_batch_size
     print("micro-batches on rank", dapo.rank(), [0 if mb[0].get("dummy") else len(mb) for mb in plan[0]])
-    dapo.policy_gradient(model, minis[0], plan[0], cfg, 0, device)
-    grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
-             for n, p in model.named_parameters()}
+    out = {}
+    for loss in dapo.LOSSES if variants else [cfg.loss]:
+        c = dataclasses.replace(cfg, loss=loss, **dapo.LOSSES[loss])
+        model.zero_grad(set_to_none=True)
+        minis, plan = dapo.micro_batches(samples, c)
+        dapo.policy_gradient(model, minis[0], plan[0], c, 0, device)
+        out[loss] = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                     for n, p in model.named_parameters()}
+    grads = out if variants else out[cfg.loss]
     if dapo.rank() == 0:
         torch.save(grads, out_path)
     torch.distributed.barrier()
@@ -800,18 +875,25 @@ def _torchrun(nproc, *args, timeout=600):
 
 
 def test_gradient_2_ranks_x_2_micro_batches_equals_1_process(tiny_model, tmp_path):
+    """For every --loss variant (with its preset): the exact global normaliser makes 2 ranks x 2
+    micro-batches give the gradient of 1 process and 1 micro-batch."""
     one, two = str(tmp_path / "one.pt"), str(tmp_path / "two.pt")
-    out = subprocess.run([sys.executable, "test_dapo.py", "grad", tiny_model, one, "8"], cwd=HERE,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "test_dapo.py", "grad", tiny_model, one, "8", "0", "0", "0", "1"],
+                         cwd=HERE, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    out = _torchrun(2, "test_dapo.py", "grad", tiny_model, two, "2")
+    out = _torchrun(2, "test_dapo.py", "grad", tiny_model, two, "2", "0", "0", "0", "1")
     assert out.returncode == 0, out.stderr[-3000:]
-    g1, g2 = torch.load(one), torch.load(two)
-    assert g1.keys() == g2.keys()
-    worst = max((g1[k] - g2[k]).abs().max().item() for k in g1)
-    scale = max(g1[k].abs().max().item() for k in g1)
-    print(f"max |grad(2 ranks x 2 micro) - grad(1 x 1)| = {worst:.2e} (largest grad entry {scale:.2e})")
-    assert scale > 1e-3 and worst < 1e-5
+    v1, v2 = torch.load(one), torch.load(two)
+    assert list(v1) == list(v2) == ["dapo", "gspo", "cispo", "dr_grpo"]
+    for loss in v1:
+        g1, g2 = v1[loss], v2[loss]
+        assert g1.keys() == g2.keys()
+        worst = max((g1[k] - g2[k]).abs().max().item() for k in g1)
+        scale = max(g1[k].abs().max().item() for k in g1)
+        print(f"{loss}: max |grad(2 ranks x 2 micro) - grad(1 x 1)| = {worst:.2e} (largest grad entry {scale:.2e})")
+        assert scale > 1e-4 and worst < 1e-5
+        if loss == "dapo":
+            assert scale > 1e-3
 
 
 def _grads(model_dir, out, *args, nproc=1):
@@ -2179,7 +2261,7 @@ def test_ladder_report_compares_per_step_and_per_response(tmp_path, capsys):
             stdout = "".join(f"eval ({t}): " + "  ".join(f"{k} {v:.3f}" for k, v in e.items()) + "\n"
                              for t, e in (("before", before), ("after", after)))
             (d / "evals.json").write_text(json.dumps({t: ladder.parse_eval(stdout, t) for t in ("before", "after")}))
-    args = argparse.Namespace(root=str(tmp_path), seeds=[0, 1], eval_every=5, tail=5,
+    args = argparse.Namespace(root=str(tmp_path), seeds=[0, 1], eval_every=5, tail=5, variants=False,
                                                        png=str(tmp_path / "ladder.png"))
     ladder.report(args)
     rows = [x for x in capsys.readouterr().out.splitlines() if x.startswith("| ")]
@@ -2221,7 +2303,7 @@ def test_dapo_py_reads_as_the_algorithm_first():
     assert max(len(line) for line in lines) <= 110
     defs = {n.name: n for n in ast.parse(src).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     assert defs["train"].lineno <= 330 and defs["train"].end_lineno - defs["train"].lineno + 1 <= 65
-    for name in ("Config", "group_advantages", "overlong_penalty", "dynamic_sampling_mask", "dapo_loss",
+    for name in ("Config", "group_advantages", "overlong_penalty", "dynamic_sampling_mask", "policy_loss",
                  "tis_weights", "token_logprobs", "sample_groups", "shape_rewards", "collect_batch",
                  "set_advantages", "collate", "micro_batches", "old_logprobs", "loss_normaliser",
                  "policy_gradient", "update_policy", "evaluate"):

@@ -10,7 +10,11 @@ alone, this builds one for --model (the ladder shares one between all its runs).
 """
 
 import argparse
+import json
+import os
 import random
+import shutil
+import tempfile
 
 import torch
 import torch.nn.functional as F
@@ -143,9 +147,40 @@ def build(path, rows, added_tokens, seed=0, sft_target=0.3, task="add"):
         loss.backward()
         opt.step()
         sched.step()
+    model.config.dapo_demo_task = task  # dapo.py keeps the built-in task's preset for this model
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return {"sft_steps": step, "sft_expected_acc": acc}
+
+
+def cached_build(path, task="add", seed=0, sft_target=0.3):
+    """build() the built-in task's model into path, through a cache: the warm-start is deterministic, so
+    it is kept under $DAPO_CACHE (default ~/.cache/dapo), keyed by everything that determines it (this
+    file, the task, seed and target, the torch and transformers versions). Safe to delete.
+    Returns (build's info, the cache directory or None, whether it was there already)."""
+    import hashlib
+    import transformers
+    with open(__file__, "rb") as f:
+        key = repr((f.read(), task, seed, sft_target, torch.__version__, transformers.__version__))
+    root = os.environ.get("DAPO_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dapo")
+    cache = os.path.join(root, f"demo-{task}-seed{seed}-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
+    hit = os.path.isfile(os.path.join(cache, "warm_start.json"))
+    if not hit:
+        try:
+            os.makedirs(root, exist_ok=True)
+            tmp = tempfile.mkdtemp(dir=root)
+        except OSError:  # no writable cache: build in place
+            return build(path, demo_task(seed, task)[0], DEMO_TOKENS, seed, sft_target, task), None, False
+        info = build(tmp, demo_task(seed, task)[0], DEMO_TOKENS, seed, sft_target, task)
+        with open(os.path.join(tmp, "warm_start.json"), "w") as f:
+            json.dump(info, f)
+        try:
+            os.rename(tmp, cache)
+        except OSError:  # another run cached the same model first
+            shutil.rmtree(tmp)
+    shutil.copytree(cache, path, dirs_exist_ok=True)
+    with open(os.path.join(path, "warm_start.json")) as f:
+        return json.load(f), cache, hit
 
 
 def main():

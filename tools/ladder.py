@@ -12,6 +12,11 @@ the carry task's fixed one), so the spread over seeds is the noise of RL alone.
     python tools/ladder.py                    # 6 rungs x 3 seeds (~1.5 hours on 2 CPU cores)
     python tools/ladder.py --report           # only rebuild the table and tools/ladder.png from runs/ladder
     python tools/ladder.py --print-commands   # the command lines, to run them elsewhere
+    python tools/ladder.py --variants         # DAPO, GSPO, CISPO, Dr. GRPO (--loss), naive GRPO the reference
+
+--variants runs the objectives proposed after DAPO on DAPO's pipeline (every technique on, only
+--loss differs), from the same warm-start, and reports them as the ladder does (tools/variants.png);
+naive GRPO and DAPO are the ladder's first and last rungs, and their runs are shared.
 
 The report compares rungs per rollout step AND per generated response (dynamic sampling
 generates more per step). matplotlib is optional: with it, --report also draws tools/ladder.png.
@@ -30,14 +35,16 @@ import dapo  # noqa: E402  (the carry task's settings and data)
 from tools import demo_model  # noqa: E402  (the warm-start)
 GRPO = ["--eps-high", "0.2", "--no-overlong-filtering", "--no-soft-overlong-punishment", "--no-token-level-loss",
         "--no-dynamic-sampling"]
-RUNGS = [  # (name, paper's AIME24 avg@32 for Qwen2.5-32B, flags): each rung drops one GRPO flag pair
-    ("naive GRPO", 30, GRPO),
-    ("+ overlong filtering", 36, GRPO[:2] + GRPO[3:]),
-    ("+ Clip-Higher", 38, GRPO[3:]),
-    ("+ soft overlong punishment", 41, GRPO[4:]),
-    ("+ token-level loss", 42, GRPO[5:]),
-    ("+ dynamic sampling (DAPO)", 50, []),
+RUNGS = [  # (name, paper's AIME24 avg@32 for Qwen2.5-32B, flags, run folder): each rung drops one GRPO flag pair
+    ("naive GRPO", 30, GRPO, "rung0"),
+    ("+ overlong filtering", 36, GRPO[:2] + GRPO[3:], "rung1"),
+    ("+ Clip-Higher", 38, GRPO[3:], "rung2"),
+    ("+ soft overlong punishment", 41, GRPO[4:], "rung3"),
+    ("+ token-level loss", 42, GRPO[5:], "rung4"),
+    ("+ dynamic sampling (DAPO)", 50, [], "rung5"),
 ]
+VARIANTS = [RUNGS[0], ("DAPO", 50, [], "rung5"), ("GSPO", "-", ["--loss", "gspo"], "gspo"),
+            ("CISPO", "-", ["--loss", "cispo"], "cispo"), ("Dr. GRPO", "-", ["--loss", "dr_grpo"], "dr_grpo")]
 SHORT, LONG = (1, 2, 3), (4, 5)  # the carry task's levels (columns): held-out split by difficulty
 KEY = "eval/avg@4"
 
@@ -46,8 +53,12 @@ def base_model(args):
     return os.path.join(args.root, "base")
 
 
+def entries(args):
+    return VARIANTS if args.variants else RUNGS
+
+
 def run_dir(args, i, seed):
-    return os.path.join(args.root, f"rung{i}", f"seed{seed}")
+    return os.path.join(args.root, entries(args)[i][3], f"seed{seed}")
 
 
 def settings(args):
@@ -59,7 +70,7 @@ def settings(args):
 
 def commands(args):
     common = settings(args)
-    for i, (name, _, flags) in enumerate(RUNGS):
+    for i, (name, _, flags, _) in enumerate(entries(args)):
         if i not in args.rungs:
             continue
         for seed in args.seeds:
@@ -110,7 +121,7 @@ def report(args):
     for r in demo_model.demo_task(0, "carry")[1]:
         counts[r["level"]] = counts.get(r["level"], 0) + 1
     runs = {}  # rung index -> [run]
-    for i in range(len(RUNGS)):
+    for i in range(len(entries(args))):
         for seed in args.seeds:
             path = run_dir(args, i, seed)
             if not os.path.exists(os.path.join(path, "evals.json")):
@@ -126,11 +137,11 @@ def report(args):
     grpo_responses = statistics.mean(sum(m["gen/responses"] for m in r["metrics"]) for r in runs[base])
     last = lambda r, k: statistics.mean(m[k] for m in r["metrics"][-args.tail:])  # late-training mean
     table = [f"| rung | paper AIME24 | held-out avg@4 (mean ± sd) | short d1-d3 | long d4-d5 | "
-             f"steps to {RUNGS[base][0]}'s final ({grpo_final:.3f}) | responses to it | at its responses | "
+             f"steps to {entries(args)[base][0]}'s final ({grpo_final:.3f}) | responses to it | at its responses | "
              f"entropy | truncated | kept | effective groups | responses/step | clip hi |",
              "|" + "---|" * 14]
     for i, rs in sorted(runs.items()):
-        name, paper, _ = RUNGS[i]
+        name, paper = entries(args)[i][:2]
         reach = [first_reach(curve(r), grpo_final) for r in rs]
         steps = [s for s, _ in reach if s is not None]
         gens = [g for _, g in reach if g is not None]
@@ -165,7 +176,7 @@ def plot(args, runs, counts):
         return
     fig, axes = plt.subplots(2, 3, figsize=(16, 8))
     for i, rs in sorted(runs.items()):
-        name = RUNGS[i][0]
+        name = entries(args)[i][0]
         curves = [curve(r) for r in rs]
         n = min(len(c) for c in curves)
         mean = lambda f: [statistics.mean(f(c[j]) for c in curves) for j in range(n)]
@@ -192,16 +203,19 @@ def plot(args, runs, counts):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--rungs", type=int, nargs="+", default=list(range(len(RUNGS))), help="a subset, by index")
+    p.add_argument("--rungs", type=int, nargs="+", help="a subset, by index (default: all)")
+    p.add_argument("--variants", action="store_true", help="the --loss variants instead of the rungs")
     p.add_argument("--steps", type=int, default=75)
     p.add_argument("--eval-every", type=int, default=15)
     p.add_argument("--tail", type=int, default=25, help="rollout steps averaged for the per-step metrics")
     p.add_argument("--root", default=os.path.join(ROOT, "runs", "ladder"))
-    p.add_argument("--png", default=os.path.join(ROOT, "tools", "ladder.png"), help="where --report draws the curves")
+    p.add_argument("--png", help="where --report draws the curves (default: tools/ladder.png, tools/variants.png)")
     p.add_argument("--report", action="store_true")
     p.add_argument("--print-commands", action="store_true")
     p.add_argument("extra", nargs="*", help="more dapo.py flags for every rung (after --)")
     args = p.parse_args()
+    args.rungs = range(len(entries(args))) if args.rungs is None else args.rungs
+    args.png = args.png or os.path.join(ROOT, "tools", "variants.png" if args.variants else "ladder.png")
     if args.print_commands:
         for _, c in commands(args):
             print(" ".join(["python"] + c[1:]))
