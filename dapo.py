@@ -80,15 +80,17 @@ class Config:
     tis_cap: float = 0.0             # truncated importance sampling vs vLLM, cap C; 0 = off (the paper)
     # optimisation (paper Sec. 4.1)
     lr: float = 1e-6                 # AdamW learning rate
-    warmup_steps: int = 20           # linear warm-up, in rollout steps
-    weight_decay: float = 0.1        # AdamW weight decay (reference run)
+    warmup_steps: int = 20           # linear warm-up, in rollout steps; 0 = none
+    weight_decay: float = 0.1        # AdamW weight decay (reference run); 0 = none
     grad_clip: float = 1.0           # max global grad norm; 0 = no clipping (the norm is still logged)
     max_nonfinite: int = 10          # stop after this many optimizer steps in a row skipped for NaN/inf
     num_mini_batches: int = 16       # μ: gradient updates per rollout step
     micro_batch_size: int = 4        # sequences per forward/backward on one rank
-    micro_batch_tokens: int = 0      # if > 0: micro-batches by this budget of real (prompt + response) tokens
+    micro_batch_tokens: int = 0      # micro-batches by this budget of real tokens; 0 = by --micro-batch-size
     logprob_chunk: int = 1024        # tokens per chunk of the memory-lean log-prob path
     grad_checkpointing: bool = False  # recompute each decoder layer's activations in backward
+    attn_impl: str = ""              # trainer attention: flex_attention, flash_attention_2 or sdpa; "" = flex
+    #   on CUDA (sequences packed in one row, block-sparse masks), sdpa on CPU (rows, dense masks)
     cpu_offload: bool = False        # CUDA only: keep sharded params, grads and optimizer state in CPU RAM
     # engine and hardware
     tp_size: int = 1                 # vLLM tensor-parallel size (TP groups = contiguous ranks)
@@ -97,22 +99,24 @@ class Config:
     vllm_sleep: bool = True          # CUDA only: free vLLM's memory while training
     reward_timeout: float = 5.0      # hard per-item limit of the answer checker, seconds
     reward_workers: int = 2          # checker worker processes per rank
+    max_sync_diff: float = 0.1       # stop if the trainer's and vLLM's log-probs differ by more; 0 = off
+    #   (mean over the trained tokens, nats: bf16 with fp32 heads gives ~0.001-0.01, a broken sync 0.3+)
     collective_timeout_min: float = 180.0  # minutes a rank may wait in a collective (torch: 30)
     # run
     steps: int = 200                 # rollout steps
-    seed: int = 0                    # everything random derives from this
-    eval_every: int = 0              # evaluate every N rollout steps (0: only before and after)
-    eval_samples: int = 4            # k of avg@k on the held-out set
+    seed: int = 0                    # everything random derives from this (>= 0)
+    eval_every: int = 0              # evaluate every N rollout steps; 0 = only before and after
+    eval_samples: int = 4            # k of avg@k on the held-out set; 0 = no evaluation
     eval_temperature: float = 1.0    # the paper's evaluation sampling
     eval_top_p: float = 0.7          # the paper's evaluation sampling
-    eval_max_prompts: int = 0        # evaluate on at most this many held-out prompts (0: all)
-    save_every: int = 0              # checkpoint every N rollout steps (0: only at the end)
-    keep_checkpoints: int = 2        # keep the last K checkpoints
+    eval_max_prompts: int = 0        # evaluate on at most this many held-out prompts; 0 = all
+    save_every: int = 0              # checkpoint every N rollout steps; 0 = only at the end
+    keep_checkpoints: int = 2        # keep the last K checkpoints; 0 = keep all
     resume: bool = False             # continue from the latest checkpoint in out_dir
     eval_only: bool = False          # evaluate --model (or, with --resume, the latest checkpoint) and exit
-    log_samples: int = 4             # sampled responses per step written to samples.jsonl
+    log_samples: int = 4             # sampled responses per step written to samples.jsonl; 0 = none
     wandb_project: str = ""          # log to Weights & Biases under this project (needs `pip install wandb`)
-    demo_sft_target: float = 0.3     # demo only: stop the warm-start at this expected accuracy
+    demo_sft_target: float = 0.3     # demo only: stop the warm-start at this expected accuracy; 0 = none
     save_dtype: str = "bfloat16"     # dtype of the checkpoints' HF export: bfloat16 or float32
     hf_shard_gb: float = 5.0         # largest safetensors file of the Hugging Face export, GB
 
@@ -303,8 +307,9 @@ def sample_groups(run, rows, prompt_ids, idx, n, temperature, top_p, key, answer
     from vllm import SamplingParams
     cfg = run.cfg
     mine = my_prompts(len(idx), cfg.tp_size)  # Part 2: the TP ranks of a group share prompts and seeds
+    # flat log-probs, no detokenizing: no Python object per generated token (the text is decoded below)
     params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=cfg.max_response_len,
-                            logprobs=0)
+                            logprobs=0, flat_logprobs=True, detokenize=False)
     t0 = time.perf_counter()
     with seeded_engine(run.llm, request_seed(*key, "dp", rank() // cfg.tp_size)):
         prompts = [{"prompt_token_ids": prompt_ids[idx[j]]} for j in mine]
@@ -314,7 +319,7 @@ def sample_groups(run, rows, prompt_ids, idx, n, temperature, top_p, key, answer
     for out in outs:
         for o in out.outputs:
             ids = list(o.token_ids)
-            local.append({"response_ids": ids, "vllm_logp": [lp[t].logprob for lp, t in zip(o.logprobs, ids)],
+            local.append({"response_ids": ids, "vllm_logp": list(o.logprobs.logprobs),
                           "truncated": o.finish_reason == "length", "len": len(ids),
                           "text": run.tokenizer.decode(ids, skip_special_tokens=True)})
     truth = [rows[idx[j]]["answer"] for j in mine for _ in range(n)]
@@ -390,14 +395,15 @@ def first_fit_decreasing(lengths, cap):
     return bins
 
 
-def collate(samples, pad_id, device):
+def collate(samples, pad_id, device, one_row=False):
     """Packed rows, no compute on padding: sequences (prompt + response) are bin-packed into rows as
-    long as the longest one, with position_ids restarting at 0 per sequence, from which transformers
-    reads the boundaries (attention_mask=None): attention never crosses sequences. "index": the flat
-    positions predicting the response tokens "targets", "lengths" of them per sample; "mask" (B, R):
-    every response token, EOS included (never derived from pad ids)."""
+    long as the longest one (one_row: all in one row, see packs_one_row), with position_ids restarting
+    at 0 per sequence, from which transformers reads the boundaries (attention_mask=None): attention
+    never crosses sequences. "index": the flat positions predicting the response tokens "targets",
+    "lengths" of them per sample; "mask" (B, R): every response token, EOS included (never derived from
+    pad ids)."""
     lens = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
-    L = max(lens)
+    L = sum(lens) if one_row else max(lens)
     rows = first_fit_decreasing(lens, L)
     ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
     pos = torch.zeros_like(ids)
@@ -443,7 +449,7 @@ def pack_by_tokens(samples, budget):
 def micro_batches(samples, cfg):
     """The μ mini-batches (all ranks' samples; others' are stubs) and this rank's share of each as
     micro-batches. Every rank runs the same number of forward passes (FSDP's collectives pair up):
-    one with fewer gets extra micro-batches holding a zero-weight copy of one of its samples."""
+    one with fewer runs extra ones on a zero-weight pad sample of 1 + 1 tokens."""
     owner = trainer_ranks(len(samples), cfg)  # Part 2: rank r trains its r::world() share of a mini-batch
     size = len(samples) // cfg.num_mini_batches
     minis, plan = [], []
@@ -455,8 +461,9 @@ def micro_batches(samples, cfg):
         else:
             step = cfg.micro_batch_size
             cuts = [[share[j:j + step] for j in range(0, len(share), step)] for share in shares]
-        mine = cuts[rank()]
-        mine += [[dict(shares[rank()][0], dummy=True)]] * (max(map(len, cuts)) - len(mine))
+        pad = {"prompt_ids": [0], "response_ids": [0], "vllm_logp": [0.0], "len": 1, "truncated": False,
+               "adv": 0.0, "dummy": True}
+        mine = cuts[rank()] + [[dict(pad)] for _ in range(max(map(len, cuts)) - len(cuts[rank()]))]
         minis.append(mini)
         plan.append(mine)
     return minis, plan
@@ -473,7 +480,7 @@ def old_logprobs(model, plan, cfg, pad_id, device):
     with torch.no_grad():
         for micros in plan[1:]:
             for mb in micros:
-                batch = collate(mb, pad_id, device)
+                batch = collate(mb, pad_id, device, packs_one_row(cfg))
                 lp, _ = model.forward_logprobs(batch, cfg.temperature, cfg.logprob_chunk)
                 _keep_old_logprobs(mb, lp)
 
@@ -503,7 +510,7 @@ def policy_gradient(model, mini, micros, cfg, pad_id, device, first=False):
     norm = loss_normaliser(mini, cfg)
     sums = torch.zeros(len(STATS), dtype=torch.float64)
     for mb in micros:
-        b = collate(mb, pad_id, device)
+        b = collate(mb, pad_id, device, packs_one_row(cfg))
         mask = b["mask"] * torch.tensor([float(s.get("trained", False)) for s in mb], device=device)[:, None]
         logp, ent = model.forward_logprobs(b, cfg.temperature, cfg.logprob_chunk)
         if first:  # the policy is still π_θold
@@ -528,20 +535,21 @@ def update_policy(run, samples):
     a non-finite loss or gradient norm on any rank, or no trainable token, steps no optimizer."""
     cfg = run.cfg
     minis, plan = micro_batches(samples, cfg)
-    old_logprobs(run.model, plan, cfg, run.pad_id, run.device)
     sums, grad_norms, skipped = torch.zeros(len(STATS), dtype=torch.float64), [], 0
-    for m, (mini, micros) in enumerate(zip(minis, plan)):
-        run.opt.zero_grad(set_to_none=True)
-        local, tokens = policy_gradient(run.model, mini, micros, cfg, run.pad_id, run.device, first=m == 0)
-        norm = clip_gradients(run.model, cfg.grad_clip)  # Part 2: the global norm, before clipping
-        if not finite_on_every_rank(run, local[1].item(), norm):  # Part 2: never step on NaN/inf
-            skipped += 1
-            continue
-        if tokens == 0:  # every token masked (e.g. all truncated): no momentum or decay drift
-            continue
-        run.opt.step()
-        sums += local
-        grad_norms.append(norm)
+    with tf32_head(run.device):  # Part 2: on CUDA, the fp32 head as a TF32 GEMM (an exact forward)
+        old_logprobs(run.model, plan, cfg, run.pad_id, run.device)
+        for m, (mini, micros) in enumerate(zip(minis, plan)):
+            run.opt.zero_grad(set_to_none=True)
+            local, tokens = policy_gradient(run.model, mini, micros, cfg, run.pad_id, run.device, m == 0)
+            norm = clip_gradients(run.model, cfg.grad_clip)  # Part 2: the global norm, before clipping
+            if not finite_on_every_rank(run, local[1].item(), norm):  # Part 2: never step on NaN/inf
+                skipped += 1
+                continue
+            if tokens == 0:  # every token masked (e.g. all truncated): no momentum or decay drift
+                continue
+            run.opt.step()
+            sums += local
+            grad_norms.append(norm)
     run.opt.zero_grad(set_to_none=True)
     torch.distributed.all_reduce(sums)
     stats = {k: sums[i].item() / max(sums[0].item(), 1.0) for i, k in enumerate(STATS) if i >= 2}
@@ -587,7 +595,7 @@ def majority_correct(answers, truth):
 def evaluate(run, tag):
     """k = eval_samples responses per held-out prompt (split across ranks), scored and printed."""
     cfg, rows, k = run.cfg, run.eval_rows, run.cfg.eval_samples
-    if not rows:
+    if not rows or not k:
         return {}
     idx = list(range(min(len(rows), cfg.eval_max_prompts or len(rows))))
     groups, _ = sample_groups(run, rows, run.eval_ids, idx, k, cfg.eval_temperature, cfg.eval_top_p,
@@ -637,7 +645,9 @@ def parse_config(argv=None, cls=Config):
     import argparse
     import inspect
     source = "".join(inspect.getsource(c) for c in cls.__mro__ if dataclasses.is_dataclass(c))
-    helps = dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", source, re.M))
+    helps = {}  # a field's comment, and the lines below it that start with `#  ` (two spaces)
+    for name, first, more in re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)\n((?:[ \t]+#  .*\n)*)", source, re.M):
+        helps[name] = " ".join([first] + re.findall(r"#\s*(.*)", more))
     named = {"--task add": DEMO, "--task carry": CARRY, **{f"--loss {k}": v for k, v in LOSSES.items()}}
     p = argparse.ArgumentParser(description=sys.modules[cls.__module__].__doc__.strip().split("\n\n")[0])
     for f in dataclasses.fields(cls):
@@ -690,8 +700,6 @@ def print0(*a, **k):
 def init_distributed(timeout_min=Config.collective_timeout_min):
     """torchrun sets RANK/WORLD_SIZE/...; plain `python dapo.py` becomes a world of one. The timeout
     bounds every collective of this group; vLLM's own TP groups keep torch's (they run in lockstep)."""
-    if not timeout_min > 0:
-        raise DapoError(f"--collective-timeout-min must be positive (got {timeout_min})")
     from datetime import timedelta
     if "RANK" not in os.environ:  # vLLM's external_launcher reads these too
         import socket
@@ -950,6 +958,38 @@ def sync_diff_stats(samples):
             "sync/logp_diff_max": worst[1].item()}
 
 
+def attention(cfg):
+    """The trainer's attention kernel: --attn-impl, or flex_attention on CUDA and sdpa on CPU."""
+    return cfg.attn_impl or ("flex_attention" if torch.cuda.is_available() else "sdpa")
+
+
+def packs_one_row(cfg):
+    """Whether a micro-batch's sequences go in ONE row. flex and flash attention read the boundaries
+    from position_ids with no dense mask (flash only at batch size 1: with several rows attention would
+    silently cross sequences), and one row is never padded (rows as long as the longest sequence would
+    compute 40k positions for a 20k + 2k micro-batch). sdpa builds a dense (L, L) mask per row, so it
+    keeps several short rows."""
+    return attention(cfg) != "sdpa"
+
+
+@contextlib.contextmanager
+def tf32_head(device):
+    """On CUDA the trainer computes in bf16 (FSDP2 mixed precision), so its only fp32 matmuls are the
+    output head's (_chunk_logprobs and its backward), which vLLM's "highest" fp32 precision would run
+    as true fp32 GEMMs. TF32 is exact for the forward: the operands are bf16 values (8 significant bits,
+    TF32 keeps 11) and tensor cores accumulate in fp32, as vLLM's bf16 x bf16 -> fp32 head does. Only the
+    backward's fp32 operand (the logits' gradient) is rounded to TF32. On CPU: nothing changes."""
+    if device.type != "cuda":
+        yield
+        return
+    before = torch.get_float32_matmul_precision()  # vLLM sets it the legacy way too: "highest"
+    torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
 # -----------------------------------------------------------------------------------------
 # Loading and saving models
 
@@ -1016,18 +1056,20 @@ def hf_weight_files(path):
 
 
 def load_hf_weights(model, path):
-    """Fill a sharded model from a Hugging Face checkpoint. Rank 0 alone reads, one file at a time in
-    the file's dtype, and set_model_state_dict broadcasts it tensor by tensor. Every rank calls this."""
+    """Fill a sharded model from a Hugging Face checkpoint. Rank 0 alone reads, one file at a time; each
+    tensor is broadcast in the file's dtype on the accelerator (NCCL on GPU, even when --cpu-offload keeps
+    the parameters in CPU RAM), and every rank keeps its own shard of it. Every rank calls this."""
     from safetensors.torch import load_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    want = {k: list(v.shape) for k, v in model.state_dict().items()}
+    from torch.distributed.tensor import distribute_tensor
+    params, dev = model.state_dict(), _compute_device()
     msg = [None, []]  # rank 0 checks names and shapes first, so that every rank fails alike
     if rank() == 0:
         try:
             files, have = hf_weight_files(path)
             tied = model.config.tie_word_embeddings  # a tied lm_head is stored once, as the embedding
-            missing = [k for k in want if k not in have and not (tied and k == "lm_head.weight")]
-            wrong = [f"{k} {have[k]} (model: {want[k]})" for k in want if k in have and have[k] != want[k]]
+            missing = [k for k in params if k not in have and not (tied and k == "lm_head.weight")]
+            wrong = [f"{k} {have[k]} (model: {list(params[k].shape)})" for k in params
+                     if k in have and have[k] != list(params[k].shape)]
             if missing or wrong:
                 raise DapoError(f"the weights in '{path}' do not fit its config: {len(missing)} tensors "
                                 f"missing {missing[:3]}, {len(wrong)} of the wrong shape {wrong[:3]}")
@@ -1037,11 +1079,18 @@ def load_hf_weights(model, path):
     torch.distributed.broadcast_object_list(msg, src=0)
     if msg[0]:
         raise DapoError(msg[0])
-    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
-    for f in msg[1]:  # strict=False: each file holds only part of the model
-        sd = {k: v for k, v in load_file(f).items() if k in want} if rank() == 0 else {}
-        set_model_state_dict(model, sd, options=opts)
-        del sd
+    for f in msg[1]:
+        tensors = {k: v for k, v in load_file(f).items() if k in params} if rank() == 0 else {}
+        names = [[(k, v.shape, v.dtype) for k, v in tensors.items()]]
+        torch.distributed.broadcast_object_list(names, src=0)
+        for name, shape, dtype in names[0]:
+            t = tensors.pop(name).to(dev) if rank() == 0 else torch.empty(shape, dtype=dtype, device=dev)
+            torch.distributed.broadcast(t, src=0)
+            p = params[name]
+            shard = distribute_tensor(t, p.device_mesh, p.placements, src_data_rank=None).to_local()
+            with torch.no_grad():
+                p.to_local().copy_(shard)  # this rank's part (in CPU RAM with --cpu-offload)
+            del t, shard  # before the next one arrives: one full tensor at a time
 
 
 def load_policy(cfg, path, device, weights=True):
@@ -1053,7 +1102,7 @@ def load_policy(cfg, path, device, weights=True):
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32,
-                                                 attn_implementation="sdpa")
+                                                 attn_implementation=attention(cfg))
     model.eval()  # as from_pretrained leaves it
     with contextlib.suppress(OSError):  # from_config alone drops generation_config.json (vLLM's stop set)
         model.generation_config = GenerationConfig.from_pretrained(path)
@@ -1130,7 +1179,7 @@ def save_hf(model, tokenizer, path, dtype=torch.bfloat16, shard_gb=5.0):
 RESUMABLE = {"steps", "out_dir", "resume", "eval_only", "eval_every", "eval_samples", "eval_temperature",
              "eval_top_p", "eval_max_prompts", "eval_data", "save_every", "keep_checkpoints", "log_samples",
              "wandb_project", "reward_timeout", "reward_workers", "cpu_kv_cache_gb", "gpu_memory_utilization",
-             "vllm_sleep", "save_dtype", "hf_shard_gb"}
+             "vllm_sleep", "save_dtype", "hf_shard_gb", "attn_impl", "max_sync_diff"}
 
 
 def _step_dirs(root):
@@ -1256,32 +1305,63 @@ def run_record(cfg, device):
 # -----------------------------------------------------------------------------------------
 # Checks of the config, the data and the model, before anything slow starts
 
+# Numeric fields with a range of their own; every other numeric field (one added later included) must be
+# >= 0, and its help says what 0 means.
+AT_LEAST = dict(prompts_per_step=1, group_size=2, gen_batch_size=1, max_gen_batches=1, max_prompt_len=1,
+                max_response_len=1, max_nonfinite=1, num_mini_batches=1, micro_batch_size=1, logprob_chunk=1,
+                tp_size=1, reward_workers=1, steps=1)
+POSITIVE = {"temperature", "top_p", "eps_low", "eps_high", "lr", "gpu_memory_utilization", "cpu_kv_cache_gb",
+            "reward_timeout", "collective_timeout_min", "eval_temperature", "eval_top_p", "hf_shard_gb"}
+AT_MOST_ONE = {"top_p", "eps_low", "gpu_memory_utilization", "eval_top_p", "demo_sft_target"}
+WHY = {"group_size": " (Eq. 9 needs a group)", "max_gen_batches": " (verl's 0 = no limit would generate "
+       "forever on data the model never solves: give a large number instead)"}
+
+
+def _out_of_range(name, value):
+    """Why a numeric field's value is refused, or None."""
+    low = AT_LEAST.get(name, 0)
+    if math.isfinite(value) and value >= low and not (name in POSITIVE and value <= 0) and not (
+            name in AT_MOST_ONE and value > 1):
+        return None
+    flag = "--" + name.replace("_", "-")
+    if name in AT_MOST_ONE:
+        return f"{flag} must lie in {'(' if name in POSITIVE else '['}0, 1] (got {value})"
+    if name in POSITIVE:
+        return f"{flag} must be positive (got {value})"
+    return f"{flag} must be {f'at least {low}' if low else '>= 0'}{WHY.get(name, '')} (got {value})"
+
+
 def check_config(cfg):
-    """Refuse settings that cannot run or would silently train wrongly, all in one line."""
+    """Refuse, in one line naming each flag, its value and the fix, settings that cannot run or would
+    silently train wrongly: every numeric field must be finite and in its range (LIMITS)."""
+    problems = [_out_of_range(f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
+                if type(getattr(cfg, f.name)) in (int, float)]
     ws = int(os.environ.get("WORLD_SIZE", "1"))
     rules = [
-        (ws % cfg.tp_size, f"--tp-size {cfg.tp_size} does not divide the {ws} ranks"),
-        ((cfg.prompts_per_step * cfg.group_size) % (cfg.num_mini_batches * ws),
-         f"the batch of {cfg.prompts_per_step} x {cfg.group_size} responses does not split into "
-         f"{cfg.num_mini_batches} mini-batches x {ws} ranks"),
-        (cfg.group_size < 2, "--group-size must be at least 2 (Eq. 9 needs a group)"),
-        (cfg.soft_overlong_punishment and not 0 < cfg.overlong_cache_len < cfg.max_response_len,
-         "--overlong-cache-len must lie between 0 and --max-response-len"),
+        (cfg.task not in ("add", "carry"), f"--task must be add or carry, not {cfg.task!r}"),
+        (cfg.loss not in LOSSES, f"--loss must be one of {', '.join(LOSSES)}, not {cfg.loss!r}"),
+        (cfg.attn_impl not in ("", "flex_attention", "flash_attention_2", "sdpa"),
+         f"--attn-impl must be flex_attention, flash_attention_2 or sdpa, not {cfg.attn_impl!r}"),
+        (cfg.save_dtype not in ("bfloat16", "float32"),
+         f"--save-dtype must be bfloat16 or float32, not {cfg.save_dtype!r}"),
         (cfg.dual_clip < 0 or 0 < cfg.dual_clip <= 1,
          f"--dual-clip {cfg.dual_clip} would zero the gradient of every A < 0 token: give c > 1 (the "
          f"reference run used 10) or 0 for off"),
-        (cfg.max_gen_batches < 1,
-         "--max-gen-batches must be at least 1 (verl's 0 = no limit would generate forever on data the model "
-         "never solves: give a large number instead)"),
-        (cfg.top_p != 1.0, f"--top-p {cfg.top_p} in training biases the importance ratio (the old log-probs "
-                           f"ignore the truncation): use 1.0; --eval-top-p sets evaluation"),
         (cfg.tis_cap < 0 or 0 < cfg.tis_cap < 1,
          f"--tis-cap must be 0 (off) or at least 1 (verl and TRL use 2), not {cfg.tis_cap}"),
-        (cfg.max_nonfinite < 1, "--max-nonfinite must be at least 1"),
-        (cfg.grad_clip < 0, "--grad-clip must be >= 0 (0 = no clipping)"),
-        (cfg.task not in ("add", "carry"), f"--task must be add or carry, not {cfg.task!r}"),
+        (cfg.top_p != 1.0, f"--top-p {cfg.top_p} in training biases the importance ratio (the old log-probs "
+                           f"ignore the truncation): use 1.0; --eval-top-p sets evaluation"),
     ]
-    problems = [message for broken, message in rules if broken]
+    if not any(problems) and not cfg.eval_only:  # these need valid numbers, and matter for training
+        rules += [
+            (ws % cfg.tp_size, f"--tp-size {cfg.tp_size} does not divide the {ws} ranks"),
+            ((cfg.prompts_per_step * cfg.group_size) % (cfg.num_mini_batches * ws),
+             f"the batch of {cfg.prompts_per_step} x {cfg.group_size} responses does not split into "
+             f"{cfg.num_mini_batches} mini-batches x {ws} ranks"),
+            (cfg.soft_overlong_punishment and not 0 < cfg.overlong_cache_len < cfg.max_response_len,
+             "--overlong-cache-len must lie between 0 and --max-response-len"),
+        ]
+    problems = [p for p in problems if p] + [message for broken, message in rules if broken]
     if problems:
         raise DapoError("; ".join(problems))
 
@@ -1360,11 +1440,7 @@ def prepare_data(cfg, tokenizer, train, held):
 def preflight(cfg):
     """Every check that can fail on the user's input, before anything slow starts. Returns the
     checkpoint to resume (or None), the run state to start from and the (train, eval) rows."""
-    if not cfg.eval_only:
-        check_config(cfg)
-    if cfg.save_dtype not in ("bfloat16", "float32") or not cfg.hf_shard_gb > 0:
-        raise DapoError(f"--save-dtype must be bfloat16 or float32 (got {cfg.save_dtype!r}) and "
-                        f"--hf-shard-gb positive (got {cfg.hf_shard_gb})")
+    check_config(cfg)
     if cfg.model:
         check_model(cfg.model, cfg.max_prompt_len + cfg.max_response_len)
     data = read_data(cfg)  # reading and checking every row takes a second; vLLM takes minutes
@@ -1488,9 +1564,18 @@ def log_step(run, step, m, every, samples, lr, ticks, evals):
               "entropy/generated": m.pop("gen/nll") / max(1, m.pop("gen/tokens")),
               "time/update": sync - update, "time/sync": end - sync, "time/step": end - start,
               "tokens/s": (sum(lens) + sum(len(s["prompt_ids"]) for s in every)) / (end - start), **evals})
+    if rank() == 0:
+        run.logs["metrics"].write(json.dumps(m) + "\n")
+        run.logs["metrics"].flush()
+    gap = m["sync/logp_diff_mean"]  # the same on every rank
+    if cfg.max_sync_diff and gap > cfg.max_sync_diff:
+        raise DapoError(f"step {step}: vLLM's log-probs of the sampled tokens differ from the trainer's by "
+                        f"{gap:.3g} nats on average (--max-sync-diff {cfg.max_sync_diff}): the weight sync "
+                        f"looks broken (a tensor mis-sharded, stale or lost in a sleep/wake cycle), or vLLM "
+                        f"and transformers compute this model differently; run tools/gpu_check.py, or raise "
+                        f"--max-sync-diff")
     if rank() != 0:
         return
-    run.logs["metrics"].write(json.dumps(m) + "\n")
     own = [s for s in samples if s["trainer"] == 0]  # the samples whose tokens rank 0 holds
     for s in own[::max(1, len(own) // max(1, cfg.log_samples))][:cfg.log_samples]:
         run.logs["samples"].write(json.dumps({

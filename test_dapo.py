@@ -1343,8 +1343,8 @@ class _FakeLLM:
             outputs = []
             for _ in range(params.n):
                 ids = [g.randrange(100, 150_000) for _ in range(g.randrange(50, 300))]
-                outputs.append(types.SimpleNamespace(
-                    token_ids=ids, logprobs=[{t: types.SimpleNamespace(logprob=-g.random())} for t in ids],
+                outputs.append(types.SimpleNamespace(   # flat log-probs (SamplingParams(flat_logprobs=True))
+                    token_ids=ids, logprobs=types.SimpleNamespace(logprobs=[-g.random() for _ in ids]),
                     finish_reason=g.choice(["stop", "stop", "length"])))
             outs.append(types.SimpleNamespace(outputs=outputs))
         return outs
