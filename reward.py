@@ -139,13 +139,22 @@ _MINERVA_TAIL = re.compile(r"\s*I hope it is correct\.?$", re.I)
 _DELIM_ONLY = re.compile(r"^(?:[\s$*_]|\\\[|\\\])*$")
 
 
+def _rstrip_decor(s):
+    """`s` without trailing whitespace, `*` and `_`. A loop, because `[\\s*_]+$` backtracks:
+    quadratic time on a long run of spaces inside a line."""
+    n = len(s)
+    while n and (s[n - 1].isspace() or s[n - 1] in "*_"):
+        n -= 1
+    return s[:n]
+
+
 def _answer_line(text, pos):
     """The value of an `Answer:` marker ending at `pos`: the rest of its line or, when that
     is blank, the next line with content (lines holding only `$$`, `\\[`, `\\]` skipped)."""
     while True:
         end = text.find("\n", pos)
         line = text[pos: end if end >= 0 else len(text)]
-        value = re.sub(r"[\s*_]+$", "", _HEAD_DECOR.sub("", line))
+        value = _rstrip_decor(_HEAD_DECOR.sub("", line))
         if not _DELIM_ONLY.match(value):
             break
         if end < 0:
@@ -158,8 +167,8 @@ def _answer_line(text, pos):
     head = _MINERVA_HEAD.match(value)
     if head:
         value = value[head.end():]
-    if tail or head:
-        value = re.sub(r"\s*\.$", "", value)
+    if (tail or head) and value.endswith("."):
+        value = value[:-1].rstrip()
     return value
 
 

@@ -233,6 +233,7 @@ def test_answer_classes_score_batch_agrees():
     ("\\boxed{" + "\\sqrt{" * 300 + "2" + "}" * 300 + "}", "2"),
     ("\\boxed{" * 100_000, "1"),
     ("answer " * 50_000, "1"),
+    ("Answer: 4" + " " * 200_000 + "2", "42"),    # a long run of spaces inside the answer line
     ("((((((((((((((1))))))))))))))", "1"),
     ("\\boxed{" + "(" * 20 + "1" + ")" * 20 + "}", "1"),
     ("Answer: 1e999999999", "42"),                # huge numbers in every numeric form: no big-int work
