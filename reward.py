@@ -9,16 +9,19 @@ Conventions (what a careful grader does; every one has a test in test_dapo.py)
 - Markers. A line holding `Answer:` (any case; also `Final Answer:`, `**Answer:**`) gives
   the rest of that line, or, when that is blank, the next line with content (lines of only
   `$$`, `\\[`, `\\]` skipped). Minerva's `The final answer is $42$. I hope it is correct.`
-  gives `$42$`. `\\boxed{...}`, `\\boxed X` and `\\fbox{...}` give the box content, braces
-  balanced; redundant grouping braces go (`\\boxed{{42}}` is 42). The marker that starts
-  LAST in the text wins, so `Answer: \\boxed{42}` reads 42 and a later box overrides an
-  earlier Answer line.
+  gives `$42$`, whatever follows on that line. A chat-template token (`<|im_end|>`,
+  `<|im_start|>user`) ends the line and the value: the model's turn is over.
+  `\\boxed{...}`, `\\boxed X` and `\\fbox{...}` give the box content, braces balanced;
+  redundant grouping braces go (`\\boxed{{42}}` is 42). The marker that starts LAST in the
+  text wins, so `Answer: \\boxed{42}` reads 42 and a later box overrides an earlier Answer
+  line.
 - No fallback to "the last number in the text". No marker, an empty value or an unclosed
   box is incorrect.
-- Decoration is dropped: `$`, `\\text{}`/`\\mathrm{}`/`\\textbf{}`, `\\left`/`\\right`, LaTeX
-  spaces, a trailing period, thousands separators (`1,000`, `12{,}345`, `1,\\!000`, `1\\,000`),
-  degree signs (`^\\circ`, `°`), percent signs (never rescaled: `25\\%` = 25, and 0.25 is not
-  25%), a leading `x =`, `x \\in`, `(x, y) =` or `f(x) =`, and trailing units.
+- Decoration is dropped: `$`, `\\(`/`\\)`, `\\text{}`/`\\mathrm{}`/`\\textbf{}`,
+  `\\left`/`\\right`, LaTeX spaces, a trailing period, thousands separators (`1,000`,
+  `12{,}345`, `1,\\!000`, `1\\,000`), degree signs (`^\\circ`, `°`), percent signs (never
+  rescaled: `25\\%` = 25, and 0.25 is not 25%), a leading `x =`, `x \\in`, `(x, y) =` or
+  `f(x) =`, and trailing units.
 - A unit is a `\\text{}`/`\\mbox{}`/`\\textnormal{}`/`\\mathrm{}` group of words after a number
   or expression (`\\frac34\\text{ inches}`, `15\\mbox{ cm}^2`), a known unit word (`42 cm`,
   `5ft`), or space-separated words of three or more letters (`5 apples`). A single letter
@@ -135,7 +138,8 @@ def _last_answer_marker(text):
 
 
 _MINERVA_HEAD = re.compile(r"^(?:the\s+)?(?:final\s+)?answer\s+is\s*:?\s*", re.I)
-_MINERVA_TAIL = re.compile(r"\s*I hope it is correct\.?$", re.I)
+_MINERVA_TAIL = re.compile(r"I hope it is correct", re.I)
+_CHAT_TOKEN = re.compile(r"<\|[a-z_]+\|>")  # `<|im_end|>`, `<|im_start|>`, `<|endoftext|>`
 _DELIM_ONLY = re.compile(r"^(?:[\s$*_]|\\\[|\\\])*$")
 
 
@@ -154,16 +158,20 @@ def _answer_line(text, pos):
     while True:
         end = text.find("\n", pos)
         line = text[pos: end if end >= 0 else len(text)]
+        turn_end = _CHAT_TOKEN.search(line)
+        if turn_end:  # the model's turn is over: nothing after it, on this line or the next
+            line, end = line[:turn_end.start()], -1
         value = _rstrip_decor(_HEAD_DECOR.sub("", line))
         if not _DELIM_ONLY.match(value):
             break
         if end < 0:
             return None
         pos = end + 1
-    # Minerva style: `Final Answer: The final answer is $42$. I hope it is correct.`
-    tail = _MINERVA_TAIL.search(value, max(0, len(value) - 40))
+    # Minerva style: `Final Answer: The final answer is $42$. I hope it is correct.`; more
+    # sentences after it on the line are not the answer (lm-eval's Minerva parser agrees)
+    tail = _MINERVA_TAIL.search(value)
     if tail:
-        value = value[:tail.start()]
+        value = value[:tail.start()].rstrip()
     head = _MINERVA_HEAD.match(value)
     if head:
         value = value[head.end():]
@@ -270,6 +278,7 @@ def _normalize(s):
     s = _MATRIX.sub(_matrix_to_text, s)
     s = re.sub(r"^(?:\\left)?[\[(]\s*(\\matrix\{.*\})\s*(?:\\right)?[\])]$", r"\1", s)  # [matrix]
     s = s.replace("\\$", "").replace("$", "").replace("\u2212", "-")
+    s = re.sub(r"(?<!\\)\\[()]", "", s)  # `\(42\)`: math delimiters, like `$`
     s = _LATEX_THOUSANDS.sub("", s)
     s = s.replace("\\left", "").replace("\\right", "").replace("\\displaystyle", "")
     s = re.sub(r"\\[dtc]frac(?![a-zA-Z])", r"\\frac", s)

@@ -171,6 +171,16 @@ ANSWER_CLASSES = {
          ('Final Answer: The final answer is $\\frac{1}{2}$. I hope it is correct.', '0.5')],
         [('Final Answer: The final answer is $43$. I hope it is correct.', '42'),
          ('Final Answer: The final answer is $42$ or $43$. I hope it is correct.', '42')]),
+    'minerva_same_line': (   # issue 26: more on the Minerva line, `\(..\)`, chat-template tokens
+        [('Final Answer: The final answer is $42$. I hope it is correct.<|im_start|>user', '42'),
+         ('Final Answer: The final answer is $42$. I hope it is correct. Let me know if you need more.', '42'),
+         ('Final Answer: The final answer is \\(\\frac{1}{2}\\). I hope it is correct.', '0.5'),
+         ('Final Answer: The final answer is \\(42\\). I hope it is correct.<|im_end|>\n<|im_start|>user\nHi', '42'),
+         ('Answer: 42<|im_end|>', '42')],
+        [('Final Answer: The final answer is $43$. I hope it is correct.<|im_start|>user', '42'),
+         ('Final Answer: The final answer is \\(43\\). I hope it is correct. Not 42.', '42'),
+         ('Final Answer: The final answer is $42$ or $43$. I hope it is correct. Done.', '42'),
+         ('Answer:<|im_end|>\n42', '42')]),   # an empty answer; the next line is not this turn
     'next_line': (
         [('so we are done.\nAnswer:\n42', '42'), ('Answer:\n\n$\\frac{1}{2}$\n', '1/2'),
          ('**Answer:**\n$$\n7\n$$', '7')],
