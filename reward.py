@@ -19,9 +19,9 @@ Conventions (what a careful grader does; every one has a test in test_dapo.py)
   box is incorrect.
 - Decoration is dropped: `$`, `\\(`/`\\)`, `\\text{}`/`\\mathrm{}`/`\\textbf{}`,
   `\\left`/`\\right`, LaTeX spaces, a trailing period, thousands separators (`1,000`,
-  `12{,}345`, `1,\\!000`, `1\\,000`), degree signs (`^\\circ`, `°`), percent signs (never
-  rescaled: `25\\%` = 25, and 0.25 is not 25%), a leading `x =`, `x \\in`, `(x, y) =` or
-  `f(x) =`, and trailing units.
+  `12{,}345`, `1,\\!000`, `1,\\! 000`, `1\\,000`), degree signs (`^\\circ`, `°`), percent
+  signs (never rescaled: `25\\%` = 25, and 0.25 is not 25%), a leading `x =`, `x \\in`,
+  `(x, y) =` or `f(x) =`, and trailing units.
 - A unit is a `\\text{}`/`\\mbox{}`/`\\textnormal{}`/`\\mathrm{}` group of words after a number
   or expression (`\\frac34\\text{ inches}`, `15\\mbox{ cm}^2`), a known unit word (`42 cm`,
   `5ft`), or space-separated words of three or more letters (`5 apples`). A single letter
@@ -222,7 +222,8 @@ def extract_answer(response):
 _TEXT_CMD = re.compile(r"\\(?:text|textbf|textit|textnormal|textrm|mathrm|mathbf|mbox|operatorname)"
                        r"\s*\{([^{}]*)\}")
 _SPACES = re.compile(r"\\[,;:! ]|\\quad|\\qquad|~")
-_LATEX_THOUSANDS = re.compile(r"(?<=\d)(?:\{,\}|,\\!|\\,)(?=\d{3}(?!\d))")  # 12{,}345 1,\!000 1\,000
+# 12{,}345 1,\!000 1\,000; after an explicit comma a space may follow: `11,\! 111,\! 100`
+_LATEX_THOUSANDS = re.compile(r"(?<=\d)(?:(?:\{,\}|,\\!)\s*|\\,)(?=\d{3}(?!\d))")
 _THOUSANDS = re.compile(r"^[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
 _MATRIX = re.compile(r"\\begin\{([pbBvV]?matrix)\}(.*?)\\end\{\1\}", re.S)
 _RELATIONS = [(re.compile(r"\\geqslant|\\geq?(?![a-zA-Z])|≥"), ">="),
