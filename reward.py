@@ -45,11 +45,14 @@ Conventions (what a careful grader does; every one has a test in test_dapo.py)
   rejected in microseconds. An answer with no sympy form (`\\alpha+\\beta`, `AB`) compares as
   normalised text, whitespace- and case-insensitively.
 - Structure is compared item by item, each item with these same rules, nested as needed.
-  Tuples `(a, b)` and intervals `[a, b)` are ordered and their brackets must match; sets
-  `\\{a, b\\}` or `{a, b}`, bare lists `a, b` and prose lists `a and b` are unordered; unions
-  of intervals (`\\cup`) are unordered; matrices (`pmatrix`, `bmatrix`, ...: the delimiters
-  do not matter) must have the same shape. Relations compare operator and sides, with
-  `\\ge` = `\\geq` = `>=` and `5 \\le x` = `x \\ge 5`.
+  Tuples `(a, b)` and intervals `[a, b)` are ordered and their brackets must match; with no
+  comma, `;` separates the coordinates (`(0;-2;6)`). Sets `\\{a, b\\}` or `{a, b}`, bare lists
+  `a, b` and prose lists `a and b` are unordered. Against a set of tuples (solutions) a tuple
+  listed twice names the same set; other items keep their count (`2, 2, 3` is not `2, 3`: a
+  repeated root may claim a multiplicity). Unions of intervals (`\\cup`) are unordered;
+  matrices (`pmatrix`, `bmatrix`, ...: the delimiters do not matter) must have the same
+  shape. Relations compare operator and sides, with `\\ge` = `\\geq` = `>=` and `5 \\le x` =
+  `x \\ge 5`.
 - Text answers (`\\text{B}`, `yes`) compare case-insensitively after normalisation; a
   multiple-choice letter may be written `\\text{(C)}`, `(C)` or `C`.
 
@@ -374,6 +377,7 @@ def _as_number(s):
 
 _LIST_SEP = re.compile(r"\s*(?:,\s*and(?![a-zA-Z])|,|;|(?<![a-zA-Z\\])and(?![a-zA-Z]))\s*")
 _COMMA = re.compile(",")
+_SEMICOLON = re.compile(";")
 _UNION = re.compile(r"\\cup(?![a-zA-Z])|∪")
 _REL_OP = re.compile(r"<=|>=|!=|<|>|=")
 _FLIP = {"<": ">", ">": "<", "<=": ">=", ">=": "<=", "=": "=", "!=": "!="}
@@ -412,7 +416,7 @@ def _structure(s):
     'interval' (tag: brackets), 'list', 'relation' (tag: the operators) or 'scalar'."""
     m = re.fullmatch(r"\\matrix\{(.*)\}", s)
     if m:
-        rows = [_split_top(r) for r in _split_top(m.group(1), re.compile(";")) if r]
+        rows = [_split_top(r) for r in _split_top(m.group(1), _SEMICOLON) if r]
         return "matrix", tuple(len(r) for r in rows), [x for r in rows for x in r]
     parts = _split_top(s, _UNION)
     if len(parts) >= 2:
@@ -422,6 +426,8 @@ def _structure(s):
     if len(s) >= 2 and s[0] in "([" and s[-1] in ")]":
         inner = s[1:-1]
         items = _split_top(inner)
+        if len(items) == 1:  # `(0;-2;6)`: `;` separates the coordinates where no comma does
+            items = _split_top(inner, _SEMICOLON)
         if len(items) >= 2 and _balanced(inner):
             return ("tuple" if s[0] + s[-1] == "()" else "interval"), s[0] + s[-1], items
     items = _split_top(s, _LIST_SEP)
@@ -573,6 +579,18 @@ def _scalar_equal(p, g, allow_sympy=True, budget=None):
     return _squash(p) == _squash(g) if verdict is None else verdict
 
 
+def _first_hit(pairs, allow_sympy, budget):
+    """Index of the first (pred, truth) pair that matches, or None; and whether a pair before
+    it was undecided (None: only sympy could tell)."""
+    undecided = False
+    for k, (p, g) in enumerate(pairs):
+        r = _match(p, g, allow_sympy, budget) if p and g else p == g
+        if r:
+            return k, undecided
+        undecided = undecided or r is None
+    return None, undecided
+
+
 def _match(p, g, allow_sympy, budget):
     """Normalised answers: True / False, or None where only sympy could decide."""
     kp, tp, ip = _structure(p)
@@ -586,22 +604,25 @@ def _match(p, g, allow_sympy, budget):
         tp, ip = tg, ip[::-1]  # `5 <= x` is `x >= 5`
     if not ({kp, kg} <= {"list", "set"}) and (kp, tp) != (kg, tg):
         return False  # a tuple is not an interval, nor a set; brackets and shapes must match
-    if len(ip) != len(ig):
-        return False
     ip, ig = [_normalize(x) or "" for x in ip], [_normalize(x) or "" for x in ig]
+    # a set of tuples (solutions) is a set: a tuple listed twice names the same set
+    repeats = len(ip) > len(ig) and kg in ("list", "set") and all(
+        _structure(x)[0] == "tuple" for x in ig)
+    if len(ip) != len(ig) and not repeats:
+        return False
     if kg in unordered:  # match each item once, order-free
         left, undecided = list(ip), False
         for x in ig:
-            hit = None
-            for k, y in enumerate(left):
-                r = _match(y, x, allow_sympy, budget) if x and y else x == y
-                if r:
-                    hit = k
-                    break
-                undecided = undecided or r is None
+            hit, u = _first_hit([(y, x) for y in left], allow_sympy, budget)
+            undecided = undecided or u
             if hit is None:
                 return None if undecided else False
             left.pop(hit)
+        for y in left:  # only where repeats: each tuple left over must be one of the set's
+            hit, u = _first_hit([(y, x) for x in ig], allow_sympy, budget)
+            undecided = undecided or u
+            if hit is None:
+                return None if undecided else False
         return True
     results = [_match(a, b, allow_sympy, budget) if a and b else a == b for a, b in zip(ip, ig)]
     if any(r is False for r in results):
