@@ -40,10 +40,11 @@ Conventions (what a careful grader does; every one has a test in test_dapo.py)
   go through a small LaTeX-to-sympy translator that only emits whitelisted tokens, with
   decimals made exact rationals (`10\\sqrt{10.5}` = `5\\sqrt{42}`), and sympy decides
   `simplify(a - b) == 0`. Before any sympy call the input is capped: length, nesting depth,
-  size of exponents and factorials, no power towers, no float literals, at most
-  MAX_SYMPY_CALLS calls per comparison. So a 200,000-character answer or `2^{2^{2^{99}}}` is
-  rejected in microseconds. An answer with no sympy form (`\\alpha+\\beta`, `AB`) compares as
-  normalised text, whitespace- and case-insensitively.
+  size of exponents and factorials, no power towers, no float literals, at most 3 powers
+  sympy could expand (a small power of a symbol or a number, `x^2`, `x^{-2/3}`, is one term
+  and is not counted), at most MAX_SYMPY_CALLS calls per comparison. So a 200,000-character
+  answer or `2^{2^{2^{99}}}` is rejected in microseconds. An answer with no sympy form
+  (`\\alpha+\\beta`, `AB`) compares as normalised text, whitespace- and case-insensitively.
 - Structure is compared item by item, each item with these same rules, nested as needed.
   Tuples `(a, b)` and intervals `[a, b)` are ordered and their brackets must match; with no
   comma, `;` separates the coordinates (`(0;-2;6)`). Sets `\\{a, b\\}` or `{a, b}`, bare lists
@@ -483,6 +484,10 @@ def _latex_to_sympy(s):
     return t
 
 
+_MONOMIAL_BASE = re.compile(r"(?:(?<![a-z])[a-z]|pi|\d)\s*$")  # what `**` follows: `x`, `pi`, `10`
+_SMALL_EXPONENT = re.compile(r"[+-]?\d(?:/[1-9])?")             # `2`, `-1`, `2/3`
+
+
 def _safe_for_sympy(expr):
     """Caps that keep every sympy call small: depth, exponents, factorials, power towers."""
     if len(expr) > MAX_SYMPY_CHARS or re.search(r"(?<![a-zA-Z])[\d.]+[eE][+-]?\d", expr):
@@ -493,10 +498,14 @@ def _safe_for_sympy(expr):
         depth -= c == ")"
         if depth > MAX_DEPTH or depth < 0:
             return False
-    if expr.count("**") > 3:
-        return False
+    expandable = 0
     for m in re.finditer(r"\*\*\s*\(?\s*([^()*]*)", expr):
         exp = m.group(1).strip()
+        # `x^2`, `2^{1/3}`: a small power of a symbol or a number is one term, nothing for
+        # sympy to expand; any other power counts against the cap of 3
+        if not (_MONOMIAL_BASE.search(expr, 0, m.start()) and _SMALL_EXPONENT.fullmatch(exp)
+                and abs(Fraction(exp)) <= 2):
+            expandable += 1
         tail = expr[m.end():m.end() + 3]
         if "**" in tail or re.match(r"\s*\*\*", expr[m.end():]):
             return False  # power tower
@@ -504,6 +513,8 @@ def _safe_for_sympy(expr):
             return False  # symbolic or nested exponents are out of scope
         if re.fullmatch(r"[+-]?\d+", exp) and abs(int(exp)) > MAX_EXPONENT:
             return False
+    if expandable > 3:
+        return False
     for m in re.finditer(r"factorial\((\d+)\)", expr):
         if int(m.group(1)) > MAX_FACTORIAL:
             return False
