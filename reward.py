@@ -24,9 +24,10 @@ Conventions (what a careful grader does; every one has a test in test_dapo.py)
   `(x, y) =` or `f(x) =`, and trailing units.
 - A unit is a `\\text{}`/`\\mbox{}`/`\\textnormal{}`/`\\mathrm{}` group of words after a number
   or expression (`\\frac34\\text{ inches}`, `15\\mbox{ cm}^2`), a known unit word (`42 cm`,
-  `5ft`), or space-separated words of three or more letters (`5 apples`). A single letter
-  after a number is never a unit: `3x` is the expression 3x, not 3; nor are hedge words
-  (`or`, `about`) or function names.
+  `5ft`), or space-separated words of three or more letters (`5 apples`). After `\\pi` the
+  first two count (`8\\pi \\text{ square units}`, `8\\pi cm` are 8pi), the last does not:
+  `\\pi abc` is a product. A single letter after a number is never a unit: `3x` is the
+  expression 3x, not 3; nor are hedge words (`or`, `about`) or function names.
 - Hedged answers are incorrect unless the ground truth is itself a list: several values
   (`42 or 43`, `42, 43`), `\\pm`, `\\approx`, `~`, "about", "approximately".
 - Integers compare by exact value, never through floats (`042` = `42` = `42.0`).
@@ -237,9 +238,9 @@ _RELATIONS = [(re.compile(r"\\geqslant|\\geq?(?![a-zA-Z])|≥"), ">="),
 # `x =`, `x \in`, `(x, y) =`, `f(x) =` before an answer are dropped
 _PREFIX = re.compile(r"^(?:[a-zA-Z]|\(\s*[a-zA-Z](?:\s*,\s*[a-zA-Z])+\s*\)|[a-zA-Z]\s*\(\s*[a-zA-Z]\s*\))"
                      r"\s*(?:=|\\in(?![a-zA-Z]))\s*(?=\S)")
-_TEXT_UNIT = re.compile(r"^(.*?[\d})])\s*\\(?:text|textnormal|textrm|mbox|mathrm)\s*\{\s*([a-zA-Z][a-zA-Z. ]*)\}"
-                        r"\s*(?:\^\s*\{?\s*[23]\s*\}?)?$")
-_UNIT_TAIL = re.compile(r"^(.*?[\d})])(\s*)((?:[a-zA-Z]+\.?\s*){1,3})(?:\^\s*\{?\s*[23]\s*\}?)?$")
+_TEXT_UNIT = re.compile(r"^(.*?(?:[\d})]|\\pi))\s*\\(?:text|textnormal|textrm|mbox|mathrm)\s*"
+                        r"\{\s*([a-zA-Z][a-zA-Z. ]*)\}\s*(?:\^\s*\{?\s*[23]\s*\}?)?$")
+_UNIT_TAIL = re.compile(r"^(.*?(?:[\d})]|\\pi))(\s*)((?:[a-zA-Z]+\.?\s*){1,3})(?:\^\s*\{?\s*[23]\s*\}?)?$")
 _UNIT_WORDS = set("""cm mm km nm ft in yd mi kg mg lb lbs oz ml hr hrs min mins sec secs sq cu mph kph
     km/h units unit meter meters metre metres inch inches foot feet yard yards mile miles second seconds
     minute minutes hour hours day days week weeks month months year years dollar dollars cent cents
@@ -255,17 +256,20 @@ _CHOICE = re.compile(r"^\(\s*([A-Za-z])\s*\)$")
 
 
 def _strip_unit(s):
-    """`42 cm`, `\\frac34 \\text{ inches}`, `15\\mbox{ cm}^2` -> the number. A unit is a
-    `\\text{}`-like group of words, a known unit word, or space-separated words of 3+ letters;
-    never a single letter (`3x` is not 3) and never a hedge or function word."""
+    """`42 cm`, `\\frac34 \\text{ inches}`, `8\\pi \\text{ cm}` -> the number. A unit is a
+    `\\text{}`-like group of words, a known unit word, or space-separated words of 3+ letters
+    (not after `\\pi`: `\\pi abc` is a product); never a single letter (`3x` is not 3) and
+    never a hedge or function word."""
     m = _TEXT_UNIT.match(s)
-    if m and re.search(r"\d", m.group(1)) and not set(m.group(2).lower().replace(".", " ").split()) & _HEDGE_WORDS:
-        return m.group(1)
+    if m and re.search(r"\d|\\pi", m.group(1)):
+        if not set(m.group(2).lower().replace(".", " ").split()) & _HEDGE_WORDS:
+            return m.group(1)
     m = _UNIT_TAIL.match(s)
     if m:
         words = m.group(3).lower().replace(".", " ").split()
+        spaced_words = m.group(2) and not m.group(1).endswith("\\pi")
         if words and not set(words) & _HEDGE_WORDS and (
-                all(w in _UNIT_WORDS for w in words) or (m.group(2) and all(len(w) >= 3 for w in words))):
+                all(w in _UNIT_WORDS for w in words) or (spaced_words and all(len(w) >= 3 for w in words))):
             return m.group(1)
     return s
 

@@ -163,6 +163,14 @@ ANSWER_CLASSES = {
          (_B('15\\mbox{ cm}^2'), '15'), (_B('2\\sqrt{3}\\text{ cm}'), '2\\sqrt3'), (_B('15 cm^2'), '15')],
         [(_B('\\frac{3}{5}\\text{ inches}'), '\\frac34'), (_B('6\\textnormal{ miles}'), '5'),
          (_B('16\\mbox{ cm}^2'), '15')]),
+    'unit_after_pi': (   # issue 26: a unit after a multiple of pi
+        [(_B('8\\pi \\text{ square units}'), '8\\pi'), (_B('8\\pi \\text{ cm}'), '8\\pi'),
+         (_B('8\\pi'), '8\\pi\\text{ cm}^2'), (_B('\\frac{4}{3}\\pi\\text{ cubic units}'), '\\frac{4\\pi}{3}'),
+         (_B('2\\pi \\mbox{ radians}'), '2\\pi'), (_B('8\\pi cm^2'), '8\\pi'), (_B('8\\pi square units'), '8\\pi')],
+        [(_B('6\\pi \\text{ square units}'), '8\\pi'), (_B('16\\pi \\text{ cm}'), '8\\pi'),
+         (_B('8 \\text{ square units}'), '8\\pi'), (_B('8\\pi r'), '8\\pi'),
+         (_B('\\frac{4}{3}\\pi'), '\\frac{4}{3}\\pi abc'),   # `\pi abc` is a product, not a unit
+         (_B('\\frac{4}{3}\\pi abc'), '\\frac{4}{3}\\pi')]),
     'structured': (
         [(_B('(-\\infty, 2) \\cup (3, \\infty)'), '(-\\infty,2)\\cup(3,\\infty)'),
          (_B('(3, \\infty) \\cup (-\\infty, 2)'), '(-\\infty,2)\\cup(3,\\infty)'),
