@@ -9,21 +9,25 @@ Conventions (what a careful grader does; every one has a test in test_dapo.py)
 - Markers. A line holding `Answer:` (any case; also `Final Answer:`, `**Answer:**`) gives
   the rest of that line, or, when that is blank, the next line with content (lines of only
   `$$`, `\\[`, `\\]` skipped). Minerva's `The final answer is $42$. I hope it is correct.`
-  gives `$42$`. `\\boxed{...}`, `\\boxed X` and `\\fbox{...}` give the box content, braces
-  balanced; redundant grouping braces go (`\\boxed{{42}}` is 42). The marker that starts
-  LAST in the text wins, so `Answer: \\boxed{42}` reads 42 and a later box overrides an
-  earlier Answer line.
+  gives `$42$`, whatever follows on that line. A chat-template token (`<|im_end|>`,
+  `<|im_start|>user`) ends the line and the value: the model's turn is over.
+  `\\boxed{...}`, `\\boxed X` and `\\fbox{...}` give the box content, braces balanced;
+  redundant grouping braces go (`\\boxed{{42}}` is 42). The marker that starts LAST in the
+  text wins, so `Answer: \\boxed{42}` reads 42 and a later box overrides an earlier Answer
+  line.
 - No fallback to "the last number in the text". No marker, an empty value or an unclosed
   box is incorrect.
-- Decoration is dropped: `$`, `\\text{}`/`\\mathrm{}`/`\\textbf{}`, `\\left`/`\\right`, LaTeX
-  spaces, a trailing period, thousands separators (`1,000`, `12{,}345`, `1,\\!000`, `1\\,000`),
-  degree signs (`^\\circ`, `°`), percent signs (never rescaled: `25\\%` = 25, and 0.25 is not
-  25%), a leading `x =`, `x \\in`, `(x, y) =` or `f(x) =`, and trailing units.
+- Decoration is dropped: `$`, `\\(`/`\\)`, `\\text{}`/`\\mathrm{}`/`\\textbf{}`,
+  `\\left`/`\\right`, LaTeX spaces, a trailing period, thousands separators (`1,000`,
+  `12{,}345`, `1,\\!000`, `1,\\! 000`, `1\\,000`), degree signs (`^\\circ`, `°`), percent
+  signs (never rescaled: `25\\%` = 25, and 0.25 is not 25%), a leading `x =`, `x \\in`,
+  `(x, y) =` or `f(x) =`, and trailing units.
 - A unit is a `\\text{}`/`\\mbox{}`/`\\textnormal{}`/`\\mathrm{}` group of words after a number
   or expression (`\\frac34\\text{ inches}`, `15\\mbox{ cm}^2`), a known unit word (`42 cm`,
-  `5ft`), or space-separated words of three or more letters (`5 apples`). A single letter
-  after a number is never a unit: `3x` is the expression 3x, not 3; nor are hedge words
-  (`or`, `about`) or function names.
+  `5ft`), or space-separated words of three or more letters (`5 apples`). After `\\pi` the
+  first two count (`8\\pi \\text{ square units}`, `8\\pi cm` are 8pi), the last does not:
+  `\\pi abc` is a product. A single letter after a number is never a unit: `3x` is the
+  expression 3x, not 3; nor are hedge words (`or`, `about`) or function names.
 - Hedged answers are incorrect unless the ground truth is itself a list: several values
   (`42 or 43`, `42, 43`), `\\pm`, `\\approx`, `~`, "about", "approximately".
 - Integers compare by exact value, never through floats (`042` = `42` = `42.0`).
@@ -37,16 +41,20 @@ Conventions (what a careful grader does; every one has a test in test_dapo.py)
   go through a small LaTeX-to-sympy translator that only emits whitelisted tokens, with
   decimals made exact rationals (`10\\sqrt{10.5}` = `5\\sqrt{42}`), and sympy decides
   `simplify(a - b) == 0`. Before any sympy call the input is capped: length, nesting depth,
-  size of exponents and factorials, no power towers, no float literals, at most
-  MAX_SYMPY_CALLS calls per comparison. So a 200,000-character answer or `2^{2^{2^{99}}}` is
-  rejected in microseconds. An answer with no sympy form (`\\alpha+\\beta`, `AB`) compares as
-  normalised text, whitespace- and case-insensitively.
+  size of exponents and factorials, no power towers, no float literals, at most 3 powers
+  sympy could expand (a small power of a symbol or a number, `x^2`, `x^{-2/3}`, is one term
+  and is not counted), at most MAX_SYMPY_CALLS calls per comparison. So a 200,000-character
+  answer or `2^{2^{2^{99}}}` is rejected in microseconds. An answer with no sympy form
+  (`\\alpha+\\beta`, `AB`) compares as normalised text, whitespace- and case-insensitively.
 - Structure is compared item by item, each item with these same rules, nested as needed.
-  Tuples `(a, b)` and intervals `[a, b)` are ordered and their brackets must match; sets
-  `\\{a, b\\}` or `{a, b}`, bare lists `a, b` and prose lists `a and b` are unordered; unions
-  of intervals (`\\cup`) are unordered; matrices (`pmatrix`, `bmatrix`, ...: the delimiters
-  do not matter) must have the same shape. Relations compare operator and sides, with
-  `\\ge` = `\\geq` = `>=` and `5 \\le x` = `x \\ge 5`.
+  Tuples `(a, b)` and intervals `[a, b)` are ordered and their brackets must match; with no
+  comma, `;` separates the coordinates (`(0;-2;6)`). Sets `\\{a, b\\}` or `{a, b}`, bare lists
+  `a, b` and prose lists `a and b` are unordered. Against a set of tuples (solutions) a tuple
+  listed twice names the same set; other items keep their count (`2, 2, 3` is not `2, 3`: a
+  repeated root may claim a multiplicity). Unions of intervals (`\\cup`) are unordered;
+  matrices (`pmatrix`, `bmatrix`, ...: the delimiters do not matter) must have the same
+  shape. Relations compare operator and sides, with `\\ge` = `\\geq` = `>=` and `5 \\le x` =
+  `x \\ge 5`.
 - Text answers (`\\text{B}`, `yes`) compare case-insensitively after normalisation; a
   multiple-choice letter may be written `\\text{(C)}`, `(C)` or `C`.
 
@@ -135,8 +143,18 @@ def _last_answer_marker(text):
 
 
 _MINERVA_HEAD = re.compile(r"^(?:the\s+)?(?:final\s+)?answer\s+is\s*:?\s*", re.I)
-_MINERVA_TAIL = re.compile(r"\s*I hope it is correct\.?$", re.I)
+_MINERVA_TAIL = re.compile(r"I hope it is correct", re.I)
+_CHAT_TOKEN = re.compile(r"<\|[a-z_]+\|>")  # `<|im_end|>`, `<|im_start|>`, `<|endoftext|>`
 _DELIM_ONLY = re.compile(r"^(?:[\s$*_]|\\\[|\\\])*$")
+
+
+def _rstrip_decor(s):
+    """`s` without trailing whitespace, `*` and `_`. A loop, because `[\\s*_]+$` backtracks:
+    quadratic time on a long run of spaces inside a line."""
+    n = len(s)
+    while n and (s[n - 1].isspace() or s[n - 1] in "*_"):
+        n -= 1
+    return s[:n]
 
 
 def _answer_line(text, pos):
@@ -145,21 +163,25 @@ def _answer_line(text, pos):
     while True:
         end = text.find("\n", pos)
         line = text[pos: end if end >= 0 else len(text)]
-        value = re.sub(r"[\s*_]+$", "", _HEAD_DECOR.sub("", line))
+        turn_end = _CHAT_TOKEN.search(line)
+        if turn_end:  # the model's turn is over: nothing after it, on this line or the next
+            line, end = line[:turn_end.start()], -1
+        value = _rstrip_decor(_HEAD_DECOR.sub("", line))
         if not _DELIM_ONLY.match(value):
             break
         if end < 0:
             return None
         pos = end + 1
-    # Minerva style: `Final Answer: The final answer is $42$. I hope it is correct.`
-    tail = _MINERVA_TAIL.search(value, max(0, len(value) - 40))
+    # Minerva style: `Final Answer: The final answer is $42$. I hope it is correct.`; more
+    # sentences after it on the line are not the answer (lm-eval's Minerva parser agrees)
+    tail = _MINERVA_TAIL.search(value)
     if tail:
-        value = value[:tail.start()]
+        value = value[:tail.start()].rstrip()
     head = _MINERVA_HEAD.match(value)
     if head:
         value = value[head.end():]
-    if tail or head:
-        value = re.sub(r"\s*\.$", "", value)
+    if (tail or head) and value.endswith("."):
+        value = value[:-1].rstrip()
     return value
 
 
@@ -205,7 +227,8 @@ def extract_answer(response):
 _TEXT_CMD = re.compile(r"\\(?:text|textbf|textit|textnormal|textrm|mathrm|mathbf|mbox|operatorname)"
                        r"\s*\{([^{}]*)\}")
 _SPACES = re.compile(r"\\[,;:! ]|\\quad|\\qquad|~")
-_LATEX_THOUSANDS = re.compile(r"(?<=\d)(?:\{,\}|,\\!|\\,)(?=\d{3}(?!\d))")  # 12{,}345 1,\!000 1\,000
+# 12{,}345 1,\!000 1\,000; after an explicit comma a space may follow: `11,\! 111,\! 100`
+_LATEX_THOUSANDS = re.compile(r"(?<=\d)(?:(?:\{,\}|,\\!)\s*|\\,)(?=\d{3}(?!\d))")
 _THOUSANDS = re.compile(r"^[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
 _MATRIX = re.compile(r"\\begin\{([pbBvV]?matrix)\}(.*?)\\end\{\1\}", re.S)
 _RELATIONS = [(re.compile(r"\\geqslant|\\geq?(?![a-zA-Z])|≥"), ">="),
@@ -215,9 +238,9 @@ _RELATIONS = [(re.compile(r"\\geqslant|\\geq?(?![a-zA-Z])|≥"), ">="),
 # `x =`, `x \in`, `(x, y) =`, `f(x) =` before an answer are dropped
 _PREFIX = re.compile(r"^(?:[a-zA-Z]|\(\s*[a-zA-Z](?:\s*,\s*[a-zA-Z])+\s*\)|[a-zA-Z]\s*\(\s*[a-zA-Z]\s*\))"
                      r"\s*(?:=|\\in(?![a-zA-Z]))\s*(?=\S)")
-_TEXT_UNIT = re.compile(r"^(.*?[\d})])\s*\\(?:text|textnormal|textrm|mbox|mathrm)\s*\{\s*([a-zA-Z][a-zA-Z. ]*)\}"
-                        r"\s*(?:\^\s*\{?\s*[23]\s*\}?)?$")
-_UNIT_TAIL = re.compile(r"^(.*?[\d})])(\s*)((?:[a-zA-Z]+\.?\s*){1,3})(?:\^\s*\{?\s*[23]\s*\}?)?$")
+_TEXT_UNIT = re.compile(r"^(.*?(?:[\d})]|\\pi))\s*\\(?:text|textnormal|textrm|mbox|mathrm)\s*"
+                        r"\{\s*([a-zA-Z][a-zA-Z. ]*)\}\s*(?:\^\s*\{?\s*[23]\s*\}?)?$")
+_UNIT_TAIL = re.compile(r"^(.*?(?:[\d})]|\\pi))(\s*)((?:[a-zA-Z]+\.?\s*){1,3})(?:\^\s*\{?\s*[23]\s*\}?)?$")
 _UNIT_WORDS = set("""cm mm km nm ft in yd mi kg mg lb lbs oz ml hr hrs min mins sec secs sq cu mph kph
     km/h units unit meter meters metre metres inch inches foot feet yard yards mile miles second seconds
     minute minutes hour hours day days week weeks month months year years dollar dollars cent cents
@@ -233,17 +256,20 @@ _CHOICE = re.compile(r"^\(\s*([A-Za-z])\s*\)$")
 
 
 def _strip_unit(s):
-    """`42 cm`, `\\frac34 \\text{ inches}`, `15\\mbox{ cm}^2` -> the number. A unit is a
-    `\\text{}`-like group of words, a known unit word, or space-separated words of 3+ letters;
-    never a single letter (`3x` is not 3) and never a hedge or function word."""
+    """`42 cm`, `\\frac34 \\text{ inches}`, `8\\pi \\text{ cm}` -> the number. A unit is a
+    `\\text{}`-like group of words, a known unit word, or space-separated words of 3+ letters
+    (not after `\\pi`: `\\pi abc` is a product); never a single letter (`3x` is not 3) and
+    never a hedge or function word."""
     m = _TEXT_UNIT.match(s)
-    if m and re.search(r"\d", m.group(1)) and not set(m.group(2).lower().replace(".", " ").split()) & _HEDGE_WORDS:
-        return m.group(1)
+    if m and re.search(r"\d|\\pi", m.group(1)):
+        if not set(m.group(2).lower().replace(".", " ").split()) & _HEDGE_WORDS:
+            return m.group(1)
     m = _UNIT_TAIL.match(s)
     if m:
         words = m.group(3).lower().replace(".", " ").split()
+        spaced_words = m.group(2) and not m.group(1).endswith("\\pi")
         if words and not set(words) & _HEDGE_WORDS and (
-                all(w in _UNIT_WORDS for w in words) or (m.group(2) and all(len(w) >= 3 for w in words))):
+                all(w in _UNIT_WORDS for w in words) or (spaced_words and all(len(w) >= 3 for w in words))):
             return m.group(1)
     return s
 
@@ -261,6 +287,7 @@ def _normalize(s):
     s = _MATRIX.sub(_matrix_to_text, s)
     s = re.sub(r"^(?:\\left)?[\[(]\s*(\\matrix\{.*\})\s*(?:\\right)?[\])]$", r"\1", s)  # [matrix]
     s = s.replace("\\$", "").replace("$", "").replace("\u2212", "-")
+    s = re.sub(r"(?<!\\)\\[()]", "", s)  # `\(42\)`: math delimiters, like `$`
     s = _LATEX_THOUSANDS.sub("", s)
     s = s.replace("\\left", "").replace("\\right", "").replace("\\displaystyle", "")
     s = re.sub(r"\\[dtc]frac(?![a-zA-Z])", r"\\frac", s)
@@ -355,6 +382,7 @@ def _as_number(s):
 
 _LIST_SEP = re.compile(r"\s*(?:,\s*and(?![a-zA-Z])|,|;|(?<![a-zA-Z\\])and(?![a-zA-Z]))\s*")
 _COMMA = re.compile(",")
+_SEMICOLON = re.compile(";")
 _UNION = re.compile(r"\\cup(?![a-zA-Z])|∪")
 _REL_OP = re.compile(r"<=|>=|!=|<|>|=")
 _FLIP = {"<": ">", ">": "<", "<=": ">=", ">=": "<=", "=": "=", "!=": "!="}
@@ -393,7 +421,7 @@ def _structure(s):
     'interval' (tag: brackets), 'list', 'relation' (tag: the operators) or 'scalar'."""
     m = re.fullmatch(r"\\matrix\{(.*)\}", s)
     if m:
-        rows = [_split_top(r) for r in _split_top(m.group(1), re.compile(";")) if r]
+        rows = [_split_top(r) for r in _split_top(m.group(1), _SEMICOLON) if r]
         return "matrix", tuple(len(r) for r in rows), [x for r in rows for x in r]
     parts = _split_top(s, _UNION)
     if len(parts) >= 2:
@@ -403,6 +431,8 @@ def _structure(s):
     if len(s) >= 2 and s[0] in "([" and s[-1] in ")]":
         inner = s[1:-1]
         items = _split_top(inner)
+        if len(items) == 1:  # `(0;-2;6)`: `;` separates the coordinates where no comma does
+            items = _split_top(inner, _SEMICOLON)
         if len(items) >= 2 and _balanced(inner):
             return ("tuple" if s[0] + s[-1] == "()" else "interval"), s[0] + s[-1], items
     items = _split_top(s, _LIST_SEP)
@@ -458,6 +488,10 @@ def _latex_to_sympy(s):
     return t
 
 
+_MONOMIAL_BASE = re.compile(r"(?:(?<![a-z])[a-z]|pi|\d)\s*$")  # what `**` follows: `x`, `pi`, `10`
+_SMALL_EXPONENT = re.compile(r"[+-]?\d(?:/[1-9])?")             # `2`, `-1`, `2/3`
+
+
 def _safe_for_sympy(expr):
     """Caps that keep every sympy call small: depth, exponents, factorials, power towers."""
     if len(expr) > MAX_SYMPY_CHARS or re.search(r"(?<![a-zA-Z])[\d.]+[eE][+-]?\d", expr):
@@ -468,10 +502,14 @@ def _safe_for_sympy(expr):
         depth -= c == ")"
         if depth > MAX_DEPTH or depth < 0:
             return False
-    if expr.count("**") > 3:
-        return False
+    expandable = 0
     for m in re.finditer(r"\*\*\s*\(?\s*([^()*]*)", expr):
         exp = m.group(1).strip()
+        # `x^2`, `2^{1/3}`: a small power of a symbol or a number is one term, nothing for
+        # sympy to expand; any other power counts against the cap of 3
+        if not (_MONOMIAL_BASE.search(expr, 0, m.start()) and _SMALL_EXPONENT.fullmatch(exp)
+                and abs(Fraction(exp)) <= 2):
+            expandable += 1
         tail = expr[m.end():m.end() + 3]
         if "**" in tail or re.match(r"\s*\*\*", expr[m.end():]):
             return False  # power tower
@@ -479,6 +517,8 @@ def _safe_for_sympy(expr):
             return False  # symbolic or nested exponents are out of scope
         if re.fullmatch(r"[+-]?\d+", exp) and abs(int(exp)) > MAX_EXPONENT:
             return False
+    if expandable > 3:
+        return False
     for m in re.finditer(r"factorial\((\d+)\)", expr):
         if int(m.group(1)) > MAX_FACTORIAL:
             return False
@@ -554,6 +594,18 @@ def _scalar_equal(p, g, allow_sympy=True, budget=None):
     return _squash(p) == _squash(g) if verdict is None else verdict
 
 
+def _first_hit(pairs, allow_sympy, budget):
+    """Index of the first (pred, truth) pair that matches, or None; and whether a pair before
+    it was undecided (None: only sympy could tell)."""
+    undecided = False
+    for k, (p, g) in enumerate(pairs):
+        r = _match(p, g, allow_sympy, budget) if p and g else p == g
+        if r:
+            return k, undecided
+        undecided = undecided or r is None
+    return None, undecided
+
+
 def _match(p, g, allow_sympy, budget):
     """Normalised answers: True / False, or None where only sympy could decide."""
     kp, tp, ip = _structure(p)
@@ -567,22 +619,25 @@ def _match(p, g, allow_sympy, budget):
         tp, ip = tg, ip[::-1]  # `5 <= x` is `x >= 5`
     if not ({kp, kg} <= {"list", "set"}) and (kp, tp) != (kg, tg):
         return False  # a tuple is not an interval, nor a set; brackets and shapes must match
-    if len(ip) != len(ig):
-        return False
     ip, ig = [_normalize(x) or "" for x in ip], [_normalize(x) or "" for x in ig]
+    # a set of tuples (solutions) is a set: a tuple listed twice names the same set
+    repeats = len(ip) > len(ig) and kg in ("list", "set") and all(
+        _structure(x)[0] == "tuple" for x in ig)
+    if len(ip) != len(ig) and not repeats:
+        return False
     if kg in unordered:  # match each item once, order-free
         left, undecided = list(ip), False
         for x in ig:
-            hit = None
-            for k, y in enumerate(left):
-                r = _match(y, x, allow_sympy, budget) if x and y else x == y
-                if r:
-                    hit = k
-                    break
-                undecided = undecided or r is None
+            hit, u = _first_hit([(y, x) for y in left], allow_sympy, budget)
+            undecided = undecided or u
             if hit is None:
                 return None if undecided else False
             left.pop(hit)
+        for y in left:  # only where repeats: each tuple left over must be one of the set's
+            hit, u = _first_hit([(y, x) for x in ig], allow_sympy, budget)
+            undecided = undecided or u
+            if hit is None:
+                return None if undecided else False
         return True
     results = [_match(a, b, allow_sympy, budget) if a and b else a == b for a, b in zip(ip, ig)]
     if any(r is False for r in results):

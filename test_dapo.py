@@ -125,6 +125,11 @@ ANSWER_CLASSES = {
         [(_B('12{,}345'), '12345'), (_B('12345'), '12{,}345'), (_B('1,\\!000,\\!000'), '1000000'),
          (_B('\\$1{,}250.50'), '1250.5'), (_B('1250.50'), '\\$1{,}250.50')],
         [(_B('12{,}346'), '12345'), (_B('1,\\!000'), '1000000'), (_B('\\$1{,}250.50'), '1250.05')]),
+    'thin_space_thousands': (   # issue 26: a space after the `,\!` separator
+        [(_B('11,\\! 111,\\! 100'), '11111100'), (_B('11111100'), '11,\\! 111,\\! 100'),
+         (_B('1,\\! 000'), '1000'), (_B('12{,} 345'), '12345'), (_B('\\$1,\\! 250.50'), '1250.5')],
+        [(_B('11,\\! 111,\\! 101'), '11111100'), (_B('11,\\! 110,\\! 100'), '11111100'),
+         (_B('1,\\! 00'), '100')]),   # not a group of three: a list, not 100
     'frac_radicals': (
         [(_B('\\frac{1 + \\sqrt{5}}{2}'), '\\frac{1+\\sqrt{5}}{2}'),
          (_B('\\frac{\\sqrt3}{2}'), '\\frac{\\sqrt{3}}{2}'), (_B('\\frac{2}{\\sqrt{2}}'), '\\sqrt{2}'),
@@ -134,6 +139,21 @@ ANSWER_CLASSES = {
         [(_B('\\frac{1 - \\sqrt{5}}{2}'), '\\frac{1+\\sqrt{5}}{2}'),
          (_B('\\frac{\\sqrt2}{2}'), '\\frac{\\sqrt{3}}{2}'), (_B('\\frac{3}{\\sqrt{2}}'), '\\sqrt{2}'),
          (_B('1+\\frac1{7}'), '\\frac{9}{7}'), (_B('\\cfrac{1}{\\sqrt{2}}'), '\\sqrt2')]),
+    'fractional_powers': (   # issue 26: sums of fractional powers against their simplified form
+        [(_B('-\\frac{8x^2}{9(x^2-2)^{5/3}}+\\frac{2}{3(x^2-2)^{2/3}}'),
+          '-\\frac{2(x^2+6)}{9(x^2-2)\\sqrt[3]{x^2-2}^2}'),
+         (_B('-\\frac{2(x^2+6)}{9(x^2-2)\\sqrt[3]{x^2-2}^2}'),
+          '-\\frac{8x^2}{9(x^2-2)^{5/3}}+\\frac{2}{3(x^2-2)^{2/3}}'),
+         (_B('(x^2+1)^{3/2}+(x^2+1)^{1/2}'), '(x^2+2)\\sqrt{x^2+1}'),
+         (_B('\\frac{1}{2}x^{-1/2}+\\frac{1}{3}x^{-2/3}'),
+          '\\frac{1}{2\\sqrt{x}}+\\frac{1}{3\\sqrt[3]{x}^2}')],
+        [(_B('-\\frac{8x^2}{9(x^2-2)^{5/3}}+\\frac{4}{3(x^2-2)^{2/3}}'),        # a wrong coefficient
+          '-\\frac{2(x^2+6)}{9(x^2-2)\\sqrt[3]{x^2-2}^2}'),
+         (_B('-\\frac{8x^2}{9(x^2-2)^{4/3}}+\\frac{2}{3(x^2-2)^{2/3}}'),        # a wrong exponent
+          '-\\frac{2(x^2+6)}{9(x^2-2)\\sqrt[3]{x^2-2}^2}'),
+         (_B('(x^2+1)^{3/2}+(x^2+1)^{1/2}'), '(x^2+3)\\sqrt{x^2+1}'),
+         (_B('\\frac{1}{2}x^{-1/2}+\\frac{1}{3}x^{-2/3}'),
+          '\\frac{1}{2\\sqrt{x}}+\\frac{1}{3\\sqrt[3]{x}}')]),
     'poly_exponent': (
         [(_B('x^2+2x+1'), '(x+1)^2'), (_B('3+2x'), '2x+3'), (_B('x^2 - 1'), '(x-1)(x+1)'),
          (_B('2x^3+x'), 'x(2x^2+1)')],
@@ -143,6 +163,14 @@ ANSWER_CLASSES = {
          (_B('15\\mbox{ cm}^2'), '15'), (_B('2\\sqrt{3}\\text{ cm}'), '2\\sqrt3'), (_B('15 cm^2'), '15')],
         [(_B('\\frac{3}{5}\\text{ inches}'), '\\frac34'), (_B('6\\textnormal{ miles}'), '5'),
          (_B('16\\mbox{ cm}^2'), '15')]),
+    'unit_after_pi': (   # issue 26: a unit after a multiple of pi
+        [(_B('8\\pi \\text{ square units}'), '8\\pi'), (_B('8\\pi \\text{ cm}'), '8\\pi'),
+         (_B('8\\pi'), '8\\pi\\text{ cm}^2'), (_B('\\frac{4}{3}\\pi\\text{ cubic units}'), '\\frac{4\\pi}{3}'),
+         (_B('2\\pi \\mbox{ radians}'), '2\\pi'), (_B('8\\pi cm^2'), '8\\pi'), (_B('8\\pi square units'), '8\\pi')],
+        [(_B('6\\pi \\text{ square units}'), '8\\pi'), (_B('16\\pi \\text{ cm}'), '8\\pi'),
+         (_B('8 \\text{ square units}'), '8\\pi'), (_B('8\\pi r'), '8\\pi'),
+         (_B('\\frac{4}{3}\\pi'), '\\frac{4}{3}\\pi abc'),   # `\pi abc` is a product, not a unit
+         (_B('\\frac{4}{3}\\pi abc'), '\\frac{4}{3}\\pi')]),
     'structured': (
         [(_B('(-\\infty, 2) \\cup (3, \\infty)'), '(-\\infty,2)\\cup(3,\\infty)'),
          (_B('(3, \\infty) \\cup (-\\infty, 2)'), '(-\\infty,2)\\cup(3,\\infty)'),
@@ -156,6 +184,16 @@ ANSWER_CLASSES = {
          (_B('\\{(2, 1), (3, 4)\\}'), '\\{(1,2),(3,4)\\}'),
          (_B('\\begin{pmatrix} 1 & 2 \\\\ 4 & 3 \\end{pmatrix}'), '\\begin{bmatrix}1&2\\\\3&4\\end{bmatrix}'),
          (_B('\\begin{pmatrix} 1 & 2 & 3 & 4 \\end{pmatrix}'), '\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}')]),
+    'tuple_sets': (   # issue 26: a tuple listed twice in a set of tuples; `;` between coordinates
+        [(_B('(3,17,3,7), (3, 17, 3, 7), (17,3,3,7)'), '(3,17,3,7), (17,3,3,7)'),
+         (_B('\\{(1, 2), (2, 1), (1,2)\\}'), '\\{(1,2),(2,1)\\}'),
+         (_B('(3,17,3,7), (3, 17, 3, 7)'), '\\{(3,17,3,7)\\}'),
+         (_B('(0;-2;6)'), '(0,-2,6)'), (_B('(0, -2, 6)'), '(0;-2;6)'), (_B('(1;2), (3;4)'), '(3,4),(1,2)')],
+        [(_B('(3,17,3,7), (3, 17, 3, 7), (17,3,3,8)'), '(3,17,3,7), (17,3,3,7)'),   # a wrong tuple
+         (_B('(3,17,3,7), (3, 17, 3, 7)'), '(3,17,3,7), (17,3,3,7)'),               # one missing
+         (_B('(3,17,3,7), (17,3,3,7), (5,5,5,5)'), '(3,17,3,7), (17,3,3,7)'),       # one extra
+         (_B('2, 2, 3'), '2, 3'),            # numbers keep their count: a root listed twice may be a claim
+         (_B('(0;-2;7)'), '(0,-2,6)'), (_B('(0;6;-2)'), '(0,-2,6)'), (_B('[0;-2;6]'), '(0,-2,6)')]),
     'relations_prefixes': (
         [(_B('x \\geq 5'), 'x\\ge5'), (_B('x >= 5'), 'x \\geq 5'), (_B('5 \\le x'), 'x\\ge 5'),
          (_B('x \\in [2, 5)'), '[2,5)'), (_B('(x, y) = (1, 2)'), '(1,2)'), (_B('x \\neq 3'), 'x \\ne 3'),
@@ -171,6 +209,16 @@ ANSWER_CLASSES = {
          ('Final Answer: The final answer is $\\frac{1}{2}$. I hope it is correct.', '0.5')],
         [('Final Answer: The final answer is $43$. I hope it is correct.', '42'),
          ('Final Answer: The final answer is $42$ or $43$. I hope it is correct.', '42')]),
+    'minerva_same_line': (   # issue 26: more on the Minerva line, `\(..\)`, chat-template tokens
+        [('Final Answer: The final answer is $42$. I hope it is correct.<|im_start|>user', '42'),
+         ('Final Answer: The final answer is $42$. I hope it is correct. Let me know if you need more.', '42'),
+         ('Final Answer: The final answer is \\(\\frac{1}{2}\\). I hope it is correct.', '0.5'),
+         ('Final Answer: The final answer is \\(42\\). I hope it is correct.<|im_end|>\n<|im_start|>user\nHi', '42'),
+         ('Answer: 42<|im_end|>', '42')],
+        [('Final Answer: The final answer is $43$. I hope it is correct.<|im_start|>user', '42'),
+         ('Final Answer: The final answer is \\(43\\). I hope it is correct. Not 42.', '42'),
+         ('Final Answer: The final answer is $42$ or $43$. I hope it is correct. Done.', '42'),
+         ('Answer:<|im_end|>\n42', '42')]),   # an empty answer; the next line is not this turn
     'next_line': (
         [('so we are done.\nAnswer:\n42', '42'), ('Answer:\n\n$\\frac{1}{2}$\n', '1/2'),
          ('**Answer:**\n$$\n7\n$$', '7')],
@@ -233,6 +281,7 @@ def test_answer_classes_score_batch_agrees():
     ("\\boxed{" + "\\sqrt{" * 300 + "2" + "}" * 300 + "}", "2"),
     ("\\boxed{" * 100_000, "1"),
     ("answer " * 50_000, "1"),
+    ("Answer: 4" + " " * 200_000 + "2", "42"),    # a long run of spaces inside the answer line
     ("((((((((((((((1))))))))))))))", "1"),
     ("\\boxed{" + "(" * 20 + "1" + ")" * 20 + "}", "1"),
     ("Answer: 1e999999999", "42"),                # huge numbers in every numeric form: no big-int work
