@@ -43,6 +43,11 @@ from dataclasses import dataclass
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+# Part 2's checks of the user's files live beside this file: a bad data file, model or checkpoint is
+# refused in one line (InputError, here DapoError) before anything slow starts.
+from tools.check_data import InputError as DapoError, check_checkpoint, check_model, hf_weight_files, one_line
+from tools.check_data import load as load_data
+
 
 # =========================================================================================
 # Part 1: DAPO
@@ -620,15 +625,6 @@ def evaluate(run, tag):
 # =========================================================================================
 # Flags and errors
 
-class DapoError(Exception):
-    """A problem with the user's input or set-up; main() prints it as one line."""
-
-
-def _brief(e, limit=200):
-    """An exception's message on one line, cut to `limit` characters, for a DapoError."""
-    return " ".join(str(e).split())[:limit]
-
-
 def presets(cfg):
     """The presets that apply, in order, as (name, settings): the built-in task's on the built-in model
     (none given, or one that tools/demo_model.py built: its config says so), then the --loss variant's."""
@@ -860,7 +856,7 @@ def start_engine(cfg, path, device, dummy_weights=False):
                    logprobs_mode="processed_logprobs",  # log-probs at the sampling temperature
                    enable_prefix_caching=True, **kw)
     except Exception as e:
-        raise DapoError(f"vLLM could not start on model '{path}': {_brief(e, 500)}")
+        raise DapoError(f"vLLM could not start on model '{path}': {one_line(e, 500)}")
 
 
 def request_seed(*key):
@@ -992,68 +988,6 @@ def tf32_head(device):
 
 # -----------------------------------------------------------------------------------------
 # Loading and saving models
-
-CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM 0.32 CPU attention
-
-
-def check_model(path, max_len=None):
-    """Fail early, in one line, on a model neither transformers nor vLLM could load."""
-    from transformers import AutoConfig
-    local = os.path.isdir(path) or path.startswith((".", "/", "~")) or path.count("/") > 1
-    if local and not os.path.isfile(os.path.join(os.path.expanduser(path), "config.json")):
-        raise DapoError(f"cannot load model '{path}': no such model directory, or it has no config.json "
-                        f"(give a Hugging Face model directory or a hub name such as Qwen/Qwen2.5-7B)")
-    try:
-        config = AutoConfig.from_pretrained(os.path.expanduser(path))
-    except Exception as e:
-        raise DapoError(f"cannot load model '{path}': not a local model directory and not on the Hugging "
-                        f"Face hub or in its cache ({_brief(e)})")
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if not torch.cuda.is_available() and head_dim not in CPU_HEAD_DIMS:
-        raise DapoError(f"model '{path}' has head_dim={head_dim}, which vLLM's CPU backend does not "
-                        f"support (use one of {CPU_HEAD_DIMS}, or run on a GPU)")
-    limit = getattr(config, "max_position_embeddings", None)
-    if max_len and limit and max_len > limit:
-        raise DapoError(f"--max-prompt-len + --max-response-len = {max_len} exceeds model '{path}''s "
-                        f"max_position_embeddings {limit}: lower them")
-    return config
-
-
-def hf_weight_files(path):
-    """A Hugging Face model's safetensors files and {tensor name: shape}, each file checked to be there
-    and complete (a hub name is downloaded first)."""
-    from safetensors import safe_open
-    if not os.path.isdir(path):
-        from huggingface_hub import snapshot_download
-        try:
-            path = snapshot_download(path, allow_patterns=["*.safetensors", "*.json"])
-        except Exception as e:
-            raise DapoError(f"cannot download model '{path}' ({_brief(e)})")
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        try:
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise DapoError(f"{index} is not a safetensors index ({type(e).__name__}: {e})")
-    elif os.path.exists(os.path.join(path, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        raise DapoError(f"no weights in '{path}': it has neither model.safetensors nor "
-                        f"model.safetensors.index.json (only safetensors checkpoints are supported)")
-    missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
-    if missing:
-        raise DapoError(f"'{path}' is incomplete: {len(missing)} of the {len(files)} weight files its index "
-                        f"lists are missing (first: {missing[0]})")
-    files, shapes = [os.path.join(path, f) for f in files], {}
-    for f in files:
-        try:  # reads the header only; safetensors checks that the file covers it (not truncated)
-            with safe_open(f, "pt") as r:
-                shapes.update({k: r.get_slice(k).get_shape() for k in r.keys()})
-        except Exception as e:
-            raise DapoError(f"cannot read {f}: {_brief(e)} (a damaged or truncated file?)")
-    return files, shapes
-
 
 def load_hf_weights(model, path):
     """Fill a sharded model from a Hugging Face checkpoint. Rank 0 alone reads, one file at a time; each
@@ -1208,29 +1142,6 @@ def check_resume(saved, cfg):
         raise DapoError("cannot resume: the config differs from the checkpoint's: " + "; ".join(diff))
 
 
-def check_checkpoint(ckpt, eval_only=False):
-    """Fail in one line, before anything slow starts, on a checkpoint with a file missing or cut short."""
-    import torch.distributed.checkpoint as dcp
-    hf_weight_files(os.path.join(ckpt, "model"))
-    if eval_only:
-        return
-    d = os.path.join(ckpt, "dcp")
-    try:
-        meta = dcp.FileSystemReader(d).read_metadata()
-    except Exception:
-        raise DapoError(f"cannot resume from {ckpt}: no readable dcp/.metadata (the model and optimizer "
-                        f"state; a damaged checkpoint, or one from an older dapo.py): delete it to resume "
-                        f"from the one before")
-    need = {}  # the bytes each file must hold
-    for info in meta.storage_data.values():
-        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
-    paths = {f: os.path.join(d, f) for f in need}
-    bad = [f for f, n in need.items() if not os.path.isfile(paths[f]) or os.path.getsize(paths[f]) < n]
-    if bad:
-        raise DapoError(f"cannot resume from {ckpt}: dcp/{bad[0]} is missing or truncated ({len(bad)} of "
-                        f"{len(need)} files): delete this checkpoint to resume from the one before")
-
-
 def save_checkpoint(run, step):
     """checkpoints/step_N/: dcp/ (fp32 model and optimizer shards, each rank its own: what resume
     reads), model/ (the Hugging Face export), rng_rank*.pt and state.json. Written under a temporary
@@ -1273,7 +1184,7 @@ def load_checkpoint(ckpt, model, opt):
     try:
         dcp.load(sd, checkpoint_id=os.path.join(ckpt, "dcp"))
     except Exception as e:
-        raise DapoError(f"cannot resume from {ckpt}: {_brief(e, 300)}")
+        raise DapoError(f"cannot resume from {ckpt}: {one_line(e, 300)}")
     set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     rng_file = os.path.join(ckpt, f"rng_rank{rank()}.pt")
     if os.path.exists(rng_file):
@@ -1364,17 +1275,6 @@ def check_config(cfg):
     problems = [p for p in problems if p] + [message for broken, message in rules if broken]
     if problems:
         raise DapoError("; ".join(problems))
-
-
-def load_data(path, dedup=True):
-    """A data file's rows; dedup keeps the first of repeated prompts (DAPO-Math-17k repeats each ~100x).
-    tools/check_data.py reads and checks every row: a bad file is one line naming the file, row and fix."""
-    from tools import check_data
-    try:
-        rows = check_data.read(path)
-    except check_data.DataError as e:
-        raise DapoError(str(e)) from e
-    return check_data.distinct(rows) if dedup else rows
 
 
 def encode_prompt(tokenizer, prompt):

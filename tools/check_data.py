@@ -1,12 +1,16 @@
 """
-check_data.py: read a DAPO data file and check every row, as dapo.py does before it trains.
+check_data.py: check what dapo.py is given (data files, a model, a checkpoint), as dapo.py does
+before it starts anything slow.
 
     python tools/check_data.py data/dapo-math-17k.parquet data/aime-2024.parquet
+    python tools/check_data.py --model models/Qwen2.5-32B --checkpoint runs/dapo/checkpoints/step_000100
 
-A file is a parquet table in the verl schema (DAPO-Math-17k, AIME-2024), JSON Lines, or a .json
+A data file is a parquet table in the verl schema (DAPO-Math-17k, AIME-2024), JSON Lines, or a .json
 array. Each row gives `prompt` (or `problem`): a string or a list of {role, content} messages, and
-`reward_model.ground_truth` (or `answer`): a string or a number. A good file prints its row count;
-a bad one prints one line naming the file, the row and the fix, and exits 2.
+`reward_model.ground_truth` (or `answer`): a string or a number. A model is a Hugging Face directory
+(config.json, safetensors weights) or hub name; a checkpoint is dapo.py's checkpoints/step_N. A good
+input prints what it holds; a bad one prints one line naming the file, the row and the fix, and
+exits 2.
 """
 
 import json
@@ -15,8 +19,14 @@ import os
 import sys
 
 
-class DataError(ValueError):
-    """A data file that cannot be trained on; the message names the file, the row and the fix."""
+class InputError(ValueError):
+    """An input dapo.py cannot use (a data file, model, checkpoint or setting); the message is one line
+    naming it, and the fix. dapo.py calls it DapoError."""
+
+
+def one_line(e, limit=200):
+    """An exception's message on one line, cut to `limit` characters."""
+    return " ".join(str(e).split())[:limit]
 
 
 DATA_FORMATS = ("give a .parquet file in the verl schema, a .jsonl file with one JSON object per line, "
@@ -55,8 +65,8 @@ def _read_text(path):
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         column = e.start - data.rfind(b"\n", 0, e.start)
-        raise DataError(f"{path} line {line} is not UTF-8 text (byte 0x{data[e.start]:02x} at column "
-                        f"{column}): re-save the file as UTF-8, e.g. iconv -f latin1 -t utf-8")
+        raise InputError(f"{path} line {line} is not UTF-8 text (byte 0x{data[e.start]:02x} at column "
+                         f"{column}): re-save the file as UTF-8, e.g. iconv -f latin1 -t utf-8")
 
 
 def _jsonl_rows(path, text):
@@ -70,10 +80,10 @@ def _jsonl_rows(path, text):
             fix = ("the file looks truncated: re-download it, or delete this last line" if ln == len(lines)
                    else "a pretty-printed JSON array? name the file .json" if ln == 1 and line.strip() == "["
                    else "each line must be one complete JSON object: fix or delete this line")
-            raise DataError(f"{path} line {ln} is not valid JSON ({_json_error(e, False)}): {fix}")
+            raise InputError(f"{path} line {ln} is not valid JSON ({_json_error(e, False)}): {fix}")
         if isinstance(row, list) and path.lower().endswith(".jsonl"):
-            raise DataError(f"{path} row {len(rows)} (line {ln}): expected one JSON object per line, got a "
-                            f"list (a JSON array of rows goes in a .json file)")
+            raise InputError(f"{path} row {len(rows)} (line {ln}): expected one JSON object per line, got a "
+                             f"list (a JSON array of rows goes in a .json file)")
         rows.append((row, f"row {len(rows)} (line {ln})"))
     return rows
 
@@ -81,36 +91,36 @@ def _jsonl_rows(path, text):
 def read_rows(path):
     """[(row, where)] from a .parquet, .jsonl or .json file; `where` names the row (and line)."""
     if not os.path.exists(path):
-        raise DataError(f"data file not found: {path} ({DATA_FORMATS})")
+        raise InputError(f"data file not found: {path} ({DATA_FORMATS})")
     if os.path.isdir(path):
-        raise DataError(f"{path} is a directory, not a data file ({DATA_FORMATS})")
+        raise InputError(f"{path} is a directory, not a data file ({DATA_FORMATS})")
     ext = os.path.splitext(path)[1].lower()
     if ext not in (".parquet", ".jsonl", ".json"):
-        raise DataError(f"unknown data format: {path} ({DATA_FORMATS})")
+        raise InputError(f"unknown data format: {path} ({DATA_FORMATS})")
     try:
         with open(path, "rb") as f:
             head = f.read(4096)
     except OSError as e:
-        raise DataError(f"cannot read {path}: {e.strerror} (check the path and its permissions)")
+        raise InputError(f"cannot read {path}: {e.strerror} (check the path and its permissions)")
     if not head.strip():
-        raise DataError(f"{path} is empty: it has no rows ({DATA_FORMATS})")
+        raise InputError(f"{path} is empty: it has no rows ({DATA_FORMATS})")
     if ext == ".parquet":
         if head.lstrip()[:1] in (b"{", b"["):
-            raise DataError(f"{path} holds JSON, not parquet: name it .jsonl (one object per line) "
-                            f"or .json (an array)")
+            raise InputError(f"{path} holds JSON, not parquet: name it .jsonl (one object per line) "
+                             f"or .json (an array)")
         import pyarrow.parquet as pq
         try:
             rows = pq.read_table(path).to_pylist()
         except Exception as e:
             why = str(e).strip().split("\n")[0][:200]
-            raise DataError(f"cannot read parquet file {path}: {why} (is it a complete parquet file? "
-                            f"re-download or re-export it, e.g. with pandas.DataFrame.to_parquet)")
+            raise InputError(f"cannot read parquet file {path}: {why} (is it a complete parquet file? "
+                             f"re-download or re-export it, e.g. with pandas.DataFrame.to_parquet)")
         return [(row, f"row {i}") for i, row in enumerate(rows)]
     wrong = next((why for magic, why in NOT_JSON.items() if head.startswith(magic)), None)
     if wrong is None and b"\x00" in head:
         wrong = "it is a binary file (it holds NUL bytes): give the JSON data file"
     if wrong:
-        raise DataError(f"{path} is not JSON text: {wrong}")
+        raise InputError(f"{path} is not JSON text: {wrong}")
     text = _read_text(path)
     if ext == ".jsonl":
         return _jsonl_rows(path, text)
@@ -121,13 +131,13 @@ def read_rows(path):
             return _jsonl_rows(path, text)  # JSON Lines named .json (what datasets' to_json writes)
         fix = ("fix the JSON at that place" if text.rstrip().endswith(("]", "}"))
                else "the file looks truncated: re-download or re-export it")
-        raise DataError(f"{path} is not valid JSON ({_json_error(e)}): {fix}")
+        raise InputError(f"{path} is not valid JSON ({_json_error(e)}): {fix}")
     if not isinstance(doc, list):
         keys = ""
         if isinstance(doc, dict):
             keys = f" (its keys: {sorted(doc)[:8]}; if the rows are under one of them, save that array alone)"
-        raise DataError(f"{path} holds {_kind(doc)}, not an array of rows: write it as "
-                        f"[{{\"prompt\": ..., \"answer\": ...}}, ...] or as JSON Lines (.jsonl){keys}")
+        raise InputError(f"{path} holds {_kind(doc)}, not an array of rows: write it as "
+                         f"[{{\"prompt\": ..., \"answer\": ...}}, ...] or as JSON Lines (.jsonl){keys}")
     return [(row, f"row {i}") for i, row in enumerate(doc)]
 
 
@@ -136,50 +146,50 @@ def check_row(row, at):
     `reward_model.ground_truth` (else `answer`), a string or a finite number."""
     import decimal
     if not isinstance(row, dict):
-        raise DataError(f"{at}: expected an object, got {_kind(row)} ({ROW_SCHEMA})")
+        raise InputError(f"{at}: expected an object, got {_kind(row)} ({ROW_SCHEMA})")
     missing = []
     for names in (("prompt", "problem"), ("answer", "reward_model")):
         if all(row.get(c) is None for c in names):
             nulls = [c for c in names if c in row]  # a null cell: e.g. a parquet row with a gap
             if nulls:
-                raise DataError(f"{at}: `{nulls[0]}` is null (an empty cell): fill it in or drop the row")
+                raise InputError(f"{at}: `{nulls[0]}` is null (an empty cell): fill it in or drop the row")
             missing.append(f"`{names[0]}`/`{names[1]}`")
     if missing:
-        raise DataError(f"{at}: missing columns ({' and '.join(missing)}); need `prompt` (chat messages) and "
-                        f"`reward_model.ground_truth` (verl parquet), or `prompt`/`problem` and `answer` "
-                        f"(JSONL); found {sorted(map(str, row))[:12]}")
+        raise InputError(f"{at}: missing columns ({' and '.join(missing)}); need `prompt` (chat messages) "
+                         f"and `reward_model.ground_truth` (verl parquet), or `prompt`/`problem` and `answer` "
+                         f"(JSONL); found {sorted(map(str, row))[:12]}")
     name = "prompt" if row.get("prompt") is not None else "problem"
     prompt = row[name]
     fix = "give the question as a string, or as a list of {\"role\": ..., \"content\": ...} messages"
     if not isinstance(prompt, (str, list)) or prompt == []:
-        raise DataError(f"{at}: `{name}` must be a string or a non-empty list of messages, "
-                        f"got {_kind(prompt)} ({fix})")
+        raise InputError(f"{at}: `{name}` must be a string or a non-empty list of messages, "
+                         f"got {_kind(prompt)} ({fix})")
     for k, m in enumerate(prompt if isinstance(prompt, list) else []):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             got = f"an object with keys {sorted(map(str, m))[:6]}" if isinstance(m, dict) else _kind(m)
-            raise DataError(f"{at}: `{name}` message {k} must be {{role, content}} with string values, "
-                            f"got {got} ({fix})")
+            raise InputError(f"{at}: `{name}` message {k} must be {{role, content}} with string values, "
+                             f"got {got} ({fix})")
     text = prompt if isinstance(prompt, str) else "".join(m["content"] for m in prompt)
     if not text.strip():
         empty = "is empty" if isinstance(prompt, str) else "messages are all empty"
-        raise DataError(f"{at}: `{name}` {empty} ({fix})")
+        raise InputError(f"{at}: `{name}` {empty} ({fix})")
     rm = row.get("reward_model")
     if rm is not None and not isinstance(rm, dict):
-        raise DataError(f"{at}: `reward_model` must be an object like {{\"ground_truth\": \"42\"}}, "
-                        f"got {_kind(rm)}")
+        raise InputError(f"{at}: `reward_model` must be an object like {{\"ground_truth\": \"42\"}}, "
+                         f"got {_kind(rm)}")
     name = "reward_model.ground_truth" if rm and rm.get("ground_truth") is not None else "answer"
     answer = rm["ground_truth"] if name != "answer" else row.get("answer")
     if answer is None:
-        raise DataError(f"{at}: `reward_model` has no `ground_truth` and the row has no `answer` "
-                        f"(give the expected final answer in one of them)")
+        raise InputError(f"{at}: `reward_model` has no `ground_truth` and the row has no `answer` "
+                         f"(give the expected final answer in one of them)")
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float, decimal.Decimal)):
-        raise DataError(f"{at}: `{name}` must be a string or a number, got {_kind(answer)} "
-                        f"(give the expected final answer, e.g. \"42\")")
+        raise InputError(f"{at}: `{name}` must be a string or a number, got {_kind(answer)} "
+                         f"(give the expected final answer, e.g. \"42\")")
     if isinstance(answer, (float, decimal.Decimal)) and not math.isfinite(answer):
-        raise DataError(f"{at}: `{name}` is {answer} (give the expected final answer as a string or a "
-                        f"finite number)")
+        raise InputError(f"{at}: `{name}` is {answer} (give the expected final answer as a string or a "
+                         f"finite number)")
     if not str(answer).strip():
-        raise DataError(f"{at}: empty answer (`{name}` is blank: give the expected final answer)")
+        raise InputError(f"{at}: empty answer (`{name}` is blank: give the expected final answer)")
     return {"prompt": prompt, "answer": str(answer).strip()}
 
 
@@ -187,7 +197,7 @@ def read(path):
     """[{"prompt": str | chat messages, "answer": str}]: every row of the file, checked."""
     rows = [check_row(row, f"{path} {where}") for row, where in read_rows(path)]
     if not rows:
-        raise DataError(f"{path} has no rows ({DATA_FORMATS})")
+        raise InputError(f"{path} has no rows ({DATA_FORMATS})")
     return rows
 
 
@@ -199,19 +209,127 @@ def distinct(rows):
     return list(first.values())
 
 
-def main(paths):
-    for path in paths:
+def load(path, dedup=True):
+    """A data file's rows; dedup keeps the first of repeated prompts (DAPO-Math-17k repeats each ~100x)."""
+    rows = read(path)
+    return distinct(rows) if dedup else rows
+
+
+# -----------------------------------------------------------------------------------------
+# Models and checkpoints
+
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM 0.32 CPU attention
+
+
+def check_model(path, max_len=None):
+    """Fail early, in one line, on a model neither transformers nor vLLM could load."""
+    import torch
+    from transformers import AutoConfig
+    local = os.path.isdir(path) or path.startswith((".", "/", "~")) or path.count("/") > 1
+    if local and not os.path.isfile(os.path.join(os.path.expanduser(path), "config.json")):
+        raise InputError(f"cannot load model '{path}': no such model directory, or it has no config.json "
+                         f"(give a Hugging Face model directory or a hub name such as Qwen/Qwen2.5-7B)")
+    try:
+        config = AutoConfig.from_pretrained(os.path.expanduser(path))
+    except Exception as e:
+        raise InputError(f"cannot load model '{path}': not a local model directory and not on the Hugging "
+                         f"Face hub or in its cache ({one_line(e)})")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if not torch.cuda.is_available() and head_dim not in CPU_HEAD_DIMS:
+        raise InputError(f"model '{path}' has head_dim={head_dim}, which vLLM's CPU backend does not "
+                         f"support (use one of {CPU_HEAD_DIMS}, or run on a GPU)")
+    limit = getattr(config, "max_position_embeddings", None)
+    if max_len and limit and max_len > limit:
+        raise InputError(f"--max-prompt-len + --max-response-len = {max_len} exceeds model '{path}''s "
+                         f"max_position_embeddings {limit}: lower them")
+    return config
+
+
+def hf_weight_files(path):
+    """A Hugging Face model's safetensors files and {tensor name: shape}, each file checked to be there
+    and complete (a hub name is downloaded first)."""
+    from safetensors import safe_open
+    if not os.path.isdir(path):
+        from huggingface_hub import snapshot_download
         try:
-            rows = read(path)
-        except DataError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        print(f"{path}: {len(rows)} rows, {len(distinct(rows))} distinct prompts")
+            path = snapshot_download(path, allow_patterns=["*.safetensors", "*.json"])
+        except Exception as e:
+            raise InputError(f"cannot download model '{path}' ({one_line(e)})")
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        try:
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise InputError(f"{index} is not a safetensors index ({type(e).__name__}: {e})")
+    elif os.path.exists(os.path.join(path, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise InputError(f"no weights in '{path}': it has neither model.safetensors nor "
+                         f"model.safetensors.index.json (only safetensors checkpoints are supported)")
+    missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
+    if missing:
+        raise InputError(f"'{path}' is incomplete: {len(missing)} of the {len(files)} weight files its index "
+                         f"lists are missing (first: {missing[0]})")
+    files, shapes = [os.path.join(path, f) for f in files], {}
+    for f in files:
+        try:  # reads the header only; safetensors checks that the file covers it (not truncated)
+            with safe_open(f, "pt") as r:
+                shapes.update({k: r.get_slice(k).get_shape() for k in r.keys()})
+        except Exception as e:
+            raise InputError(f"cannot read {f}: {one_line(e)} (a damaged or truncated file?)")
+    return files, shapes
+
+
+def check_checkpoint(ckpt, eval_only=False):
+    """Fail in one line, before anything slow starts, on a checkpoint with a file missing or cut short."""
+    import torch.distributed.checkpoint as dcp
+    hf_weight_files(os.path.join(ckpt, "model"))
+    if eval_only:
+        return
+    d = os.path.join(ckpt, "dcp")
+    try:
+        meta = dcp.FileSystemReader(d).read_metadata()
+    except Exception:
+        raise InputError(f"cannot resume from {ckpt}: no readable dcp/.metadata (the model and optimizer "
+                         f"state; a damaged checkpoint, or one from an older dapo.py): delete it to resume "
+                         f"from the one before")
+    need = {}  # the bytes each file must hold
+    for info in meta.storage_data.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    paths = {f: os.path.join(d, f) for f in need}
+    bad = [f for f, n in need.items() if not os.path.isfile(paths[f]) or os.path.getsize(paths[f]) < n]
+    if bad:
+        raise InputError(f"cannot resume from {ckpt}: dcp/{bad[0]} is missing or truncated ({len(bad)} of "
+                         f"{len(need)} files): delete this checkpoint to resume from the one before")
+
+
+
+def main(args):
+    try:
+        for kind, path in args:
+            if kind == "--model":
+                print(f"{path}: {len(hf_weight_files(path)[1])} tensors, "
+                      f"{check_model(path).model_type} model")
+            elif kind == "--checkpoint":
+                check_checkpoint(path)
+                print(f"{path}: complete")
+            else:
+                rows = read(path)
+                print(f"{path}: {len(rows)} rows, {len(distinct(rows))} distinct prompts")
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
+    argv = sys.argv[1:]
+    if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
-        sys.exit(0 if len(sys.argv) > 1 else 2)
-    sys.exit(main(sys.argv[1:]))
+        sys.exit(0 if argv else 2)
+    args = []
+    while argv:
+        kind = argv.pop(0)
+        args.append((kind, argv.pop(0) if kind in ("--model", "--checkpoint") and argv else kind))
+    sys.exit(main(args))
