@@ -1418,7 +1418,7 @@ def set_up(cfg):
     run = types.SimpleNamespace(cfg=cfg, ckpt=ckpt, state=state, path=path, device=device,
                                 tokenizer=tokenizer, train_rows=train_rows, train_ids=train_ids,
                                 eval_rows=eval_rows, eval_ids=eval_ids)
-    run.llm = start_engine(cfg, path, device, dummy_weights=not cfg.eval_only)
+    run.llm = _RUN["llm"] = start_engine(cfg, path, device, dummy_weights=not cfg.eval_only)
     if cfg.eval_only:
         return run
     random.seed(cfg.seed + rank())  # constructing LLM re-seeds the global RNGs; seed after it
@@ -1499,7 +1499,7 @@ def log_step(run, step, m, every, samples, lr, ticks, evals):
 # -----------------------------------------------------------------------------------------
 # Ctrl-C: the first stops the run and says how to resume it; the second exits at once
 
-_RUN = {}  # train() keeps the step in progress and its progress bar here, for the message
+_RUN = {}  # the step in progress and its progress bar, for the message; the engine, for _shut_down
 
 
 def _kill_children():
@@ -1603,6 +1603,17 @@ def _catch_ctrl_c(cfg):
     return undo
 
 
+def _shut_down():
+    """After a successful run every rank meets; then vLLM tears down its engine and its process groups,
+    the default one last, here rather than in an exit hook after some rank has already gone."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    if "llm" in _RUN:
+        _RUN.pop("llm").llm_engine.engine_core.shutdown()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def main(argv=None):
     cfg = parse_config(argv)
     _RUN.clear()
@@ -1610,6 +1621,7 @@ def main(argv=None):
     undo = _catch_ctrl_c(cfg)
     try:
         train(cfg)
+        _shut_down()
     except BaseException as e:
         if _RUN.get("stopping"):  # after a Ctrl-C, whatever unwinds (KeyboardInterrupt, a broken collective)
             with contextlib.suppress(Exception):
