@@ -466,8 +466,8 @@ def micro_batches(samples, cfg):
         else:
             step = cfg.micro_batch_size
             cuts = [[share[j:j + step] for j in range(0, len(share), step)] for share in shares]
-        pad = {"prompt_ids": [0], "response_ids": [0], "vllm_logp": [0.0], "len": 1, "truncated": False,
-               "adv": 0.0, "dummy": True}
+        pad = {"prompt_ids": [0], "response_ids": [0], "vllm_logp": [0.0], "old_logp": torch.zeros(1),
+               "len": 1, "truncated": False, "adv": 0.0, "dummy": True}
         mine = cuts[rank()] + [[dict(pad)] for _ in range(max(map(len, cuts)) - len(cuts[rank()]))]
         minis.append(mini)
         plan.append(mine)
@@ -990,9 +990,9 @@ def tf32_head(device):
 # Loading and saving models
 
 def load_hf_weights(model, path):
-    """Fill a sharded model from a Hugging Face checkpoint. Rank 0 alone reads, one file at a time; each
-    tensor is broadcast in the file's dtype on the accelerator (NCCL on GPU, even when --cpu-offload keeps
-    the parameters in CPU RAM), and every rank keeps its own shard of it. Every rank calls this."""
+    """Fill a sharded model from a Hugging Face checkpoint. Rank 0 alone reads, one file at a time, and
+    scatters each tensor in the file's dtype on the accelerator (NCCL on GPU, even when --cpu-offload
+    keeps the parameters in CPU RAM): every rank receives only its own shard. Every rank calls this."""
     from safetensors.torch import load_file
     from torch.distributed.tensor import distribute_tensor
     params, dev = model.state_dict(), _compute_device()
@@ -1018,13 +1018,12 @@ def load_hf_weights(model, path):
         names = [[(k, v.shape, v.dtype) for k, v in tensors.items()]]
         torch.distributed.broadcast_object_list(names, src=0)
         for name, shape, dtype in names[0]:
+            p = params[name]  # off rank 0, the full tensor is only a shape: its pages are never touched
             t = tensors.pop(name).to(dev) if rank() == 0 else torch.empty(shape, dtype=dtype, device=dev)
-            torch.distributed.broadcast(t, src=0)
-            p = params[name]
-            shard = distribute_tensor(t, p.device_mesh, p.placements, src_data_rank=None).to_local()
+            shard = distribute_tensor(t, p.device_mesh, p.placements, src_data_rank=0).to_local()
             with torch.no_grad():
-                p.to_local().copy_(shard)  # this rank's part (in CPU RAM with --cpu-offload)
-            del t, shard  # before the next one arrives: one full tensor at a time
+                p.to_local().copy_(shard)  # into this rank's part (in CPU RAM with --cpu-offload)
+            del t, shard  # before the next one: one tensor at a time
 
 
 def load_policy(cfg, path, device, weights=True):
@@ -1502,15 +1501,16 @@ def log_step(run, step, m, every, samples, lr, ticks, evals):
 _RUN = {}  # the step in progress and its progress bar, for the message; the engine, for _shut_down
 
 
-def _kill_children():
-    """Kill every process this one started, grandchildren included (reward workers, and whatever
-    vLLM or torch spawned): all are found first, since a kill re-parents grandchildren."""
+def _kill_children(root=None):
+    """Kill every process this one (or root) started, grandchildren included (reward workers, whatever
+    vLLM or torch spawned, in any session): all are found first, since a kill re-parents grandchildren."""
+    root = root or os.getpid()
     parent = {}
     for pid in os.listdir("/proc") if os.path.isdir("/proc") else []:
         with contextlib.suppress(OSError, ValueError, IndexError):
             with open(f"/proc/{pid}/stat") as f:
                 parent[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])
-    family, new = set(), {os.getpid()}
+    family, new = set(), {root}
     while new:
         family |= new
         new = {p for p, pp in parent.items() if pp in family} - family
