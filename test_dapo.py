@@ -1031,7 +1031,9 @@ def _grad_worker(model_dir, out_path, micro_batch_size, micro_batch_tokens=0, gr
     minis, plan = dapo.micro_batches(samples, cfg)
     if not micro_batch_tokens:
         assert len(plan[0]) == 8 // dapo.world() // micro_batch_size
-    print("micro-batches on rank", dapo.rank(), [0 if mb[0].get("dummy") else len(mb) for mb in plan[0]])
+    counts = dapo.all_gather_objects([0 if mb[0].get("dummy") else len(mb) for mb in plan[0]])[0]
+    if dapo.rank() == 0:   # one line: the ranks' own prints could interleave in the shared pipe
+        print("micro-batches per rank", json.dumps({str(r): c for r, c in enumerate(counts)}), flush=True)
     out = {}
     for loss in dapo.LOSSES if variants else [cfg.loss]:
         c = dataclasses.replace(cfg, loss=loss, **dapo.LOSSES[loss])
@@ -1095,7 +1097,7 @@ def test_token_budget_and_checkpointing_give_the_same_gradient(tiny_model, tmp_p
     # a budget of 24 padded tokens: sequences of 4..12 tokens pack 1-4 to a micro-batch, and the
     # two ranks end up with different counts, so one of them runs a zero-weight extra micro-batch
     budget, out = _grads(tiny_model, str(tmp_path / "budget.pt"), 8, 24, 0, nproc=2)
-    counts = {r: json.loads(c) for r, c in re.findall(r"micro-batches on rank (\d) (\[.*\])", out)}
+    counts = json.loads(re.search(r"micro-batches per rank (\{.*\})", out).group(1))
     assert len(counts["0"]) == len(counts["1"]) and 0 in counts["1"]   # rank 1 runs zero-weight extras (0)
     ckpt, _ = _grads(tiny_model, str(tmp_path / "ckpt.pt"), 4, 0, 1)
     for name, g in (("token budget, 2 ranks", budget), ("activation checkpointing", ckpt)):
@@ -2003,8 +2005,8 @@ def _seed_worker(model_dir):
     prompts = [{"prompt_token_ids": [20, 5, 6, 13, 7, 8, 15][:k]} for k in range(2, 8)]
     params = SamplingParams(n=4, temperature=1.0, max_tokens=8, logprobs=0)
 
-    def run(seed):
-        with dapo.seeded_engine(llm, seed):
+    def run(key):
+        with dapo.seeded_engine(llm, *key):
             return [list(o.token_ids) for r in llm.generate(prompts, params, use_tqdm=False) for o in r.outputs]
 
     torch.manual_seed(7)
@@ -2012,11 +2014,11 @@ def _seed_worker(model_dir):
     before = (torch.rand(1).item(), np.random.rand())
     torch.manual_seed(7)
     np.random.seed(7)
-    a = run(dapo.request_seed(0, 3, 0, "dp", 0))
+    a = run((0, 3, 0, "dp", 0))
     after = (torch.rand(1).item(), np.random.rand())
     llm.generate(prompts[:2], params, use_tqdm=False)   # an unseeded call in between
-    b = run(dapo.request_seed(0, 3, 0, "dp", 0))
-    c = run(dapo.request_seed(0, 3, 0, "dp", 1))
+    b = run((0, 3, 0, "dp", 0))
+    c = run((0, 3, 0, "dp", 1))
     print(json.dumps({"same": a == b, "other_group_differs": a != c, "rng_untouched": before == after,
                       "distinct_within_call": len({tuple(x) for x in a}) / len(a)}))
     torch.distributed.destroy_process_group()
@@ -2116,7 +2118,7 @@ def test_gpu_check_runs_its_logic_on_cpu_and_names_what_it_skips(tiny_model):
     table = out.stdout[out.stdout.index("gpu_check: "):]
     for what in ("GPU memory, generate", "GPU memory, update", "GPU memory, sync", "sleep/wake cycle", "CUDA graphs"):
         assert re.search(rf"{re.escape(what)} .* skipped: .* skipped", table), what
-    assert re.search(r"log-prob gap, step 0 \(the first sync\) +mean \S+, max \S+ +mean < 0.05 +PASS", table)
+    assert re.search(r"log-prob gap, step 0 \(the first sync\) +mean \S+, max \S+ +mean < 0.1 +PASS", table)
     assert re.search(r"log-prob gap, after an update and sync \(no sleep on CPU\) .* PASS", table)
     assert re.search(r"time split, generate / update / sync +\d+% / \d+% / \d+% .* PASS", table)
     assert table.rstrip().endswith("gpu_check: PASS (skipped checks named above)")

@@ -281,6 +281,18 @@ def hf_weight_files(path):
     return files, shapes
 
 
+def check_weights(path, shapes, tied=False):
+    """A model directory's weight files, once its tensors' names and shapes are checked against the
+    model's ({name: shape}; a tied lm_head is stored once, as the embedding)."""
+    files, have = hf_weight_files(path)
+    missing = [k for k in shapes if k not in have and not (tied and k == "lm_head.weight")]
+    wrong = [f"{k} {have[k]} (model: {shapes[k]})" for k in shapes if k in have and have[k] != shapes[k]]
+    if missing or wrong:
+        raise InputError(f"the weights in '{path}' do not fit its config: {len(missing)} tensors missing "
+                         f"{missing[:3]}, {len(wrong)} of the wrong shape {wrong[:3]}")
+    return files
+
+
 def check_checkpoint(ckpt, eval_only=False):
     """Fail in one line, before anything slow starts, on a checkpoint with a file missing or cut short."""
     import torch.distributed.checkpoint as dcp
