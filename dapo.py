@@ -81,7 +81,8 @@ class Config:
     soft_overlong_punishment: bool = True  # Eq. 13: length penalty added to the reward
     overlong_cache_len: int = 4096   # L_cache (Eq. 13): the soft-punishment interval
     dual_clip: float = 0.0           # dual-clip PPO's c > 1, bounds the loss if A < 0 (ref. run: 10); 0 = off
-    loss: str = "dapo"               # the objective: dapo (Eq. 10/12), gspo, cispo or dr_grpo (LOSSES)
+    #  (the PPO-clip losses: not --loss cispo)
+    loss: str = "dapo"               # the objective: dapo (Eq. 10/12), or gspo, cispo, dr_grpo (after DAPO)
     tis_cap: float = 0.0             # truncated importance sampling vs vLLM, cap C; 0 = off (the paper)
     # optimisation (paper Sec. 4.1)
     lr: float = 1e-6                 # AdamW learning rate
@@ -196,9 +197,9 @@ def policy_loss(logp, old_logp, advantages, mask, cfg, norm=None, tis_weight=Non
     if per_sample:  # GRPO, GSPO: each sample weighs the same, whatever its length
         per_token = per_token.sum(-1) / mask.sum(-1).clamp(min=1)
     loss = per_token.sum() / max(float(n), 1.0)  # DAPO (token-level loss, Eq. 12): every token the same
-    with torch.no_grad():  # the PPO clip zeroes the gradient beyond a bound; CISPO caps the weight there
-        low, high = r < lo, r > hi
-        if cfg.loss != "cispo":  # the PPO clip binds only on the side the advantage pushes towards
+    with torch.no_grad():  # where the clip binds (a new variant says where its own does, or reports 0):
+        low, high = r < lo, r > hi  # CISPO caps the weight there, whatever A
+        if cfg.loss != "cispo":  # the PPO clip zeroes the gradient, only on the side the advantage pushes
             low, high = low & (adv < 0), high & (adv > 0)
         count = mask.sum().clamp(min=1)
         stats = {"clip/low_frac": (low.float() * mask).sum() / count,
