@@ -990,9 +990,9 @@ def test_warm_start_is_cached_by_everything_that_determines_it(tmp_path, monkeyp
     """The second build of the same demo model is a copy of the first (the same bytes); another target
     or seed is another entry."""
     monkeypatch.setenv("DAPO_CACHE", str(tmp_path / "cache"))
-    info, cache, hit = demo_model.cached_build(str(tmp_path / "a"), "add", 0, 0.05)
+    info, cache, hit = demo_model.cached_build(str(tmp_path / "a"), "add", 0, 1e-6)
     assert not hit and info["sft_steps"] > 0
-    info2, cache2, hit2 = demo_model.cached_build(str(tmp_path / "b"), "add", 0, 0.05)
+    info2, cache2, hit2 = demo_model.cached_build(str(tmp_path / "b"), "add", 0, 1e-6)
     assert hit2 and cache2 == cache and info2 == info
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
     assert demo_model.cached_build(str(tmp_path / "c"), "add", 0, 0.0)[1] != cache
@@ -2419,6 +2419,38 @@ def _end_session(p):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)
         p.wait()
+
+
+def test_a_stuck_subprocess_fails_within_its_deadline_and_leaves_nothing_running(tmp_path):
+    """Issue 23: a torchrun whose ranks hang is killed, ranks included (they run in sessions of their
+    own), when _run's timeout expires; _wait_for fails on a silent process at its deadline."""
+    script = tmp_path / "hang.py"
+    script.write_text(f"import os, time\nopen(os.path.join({str(tmp_path)!r}, str(os.getpid())), 'w').close()\n"
+                      "time.sleep(3600)\n")
+    t = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)],
+             timeout=25)
+    ranks = [int(f.name) for f in tmp_path.iterdir() if f.name.isdigit()]
+    assert len(ranks) == 2, ranks
+
+    def alive(pid):
+        try:
+            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+    end = time.monotonic() + 10
+    while any(map(alive, ranks)) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert not any(map(alive, ranks)) and time.monotonic() - t < 60
+    p, _ = _start([sys.executable, "-c", "import time; time.sleep(60)"])
+    t = time.monotonic()
+    try:
+        with pytest.raises(AssertionError, match="no line matching 'never' within 2 s"):
+            _wait_for(p, "never", 2)
+        assert time.monotonic() - t < 10
+    finally:
+        _end_session(p)
 
 
 _CTRL_C_STUB = r"""
