@@ -2666,7 +2666,7 @@ def test_evaluate_aggregates_exact_values(monkeypatch, capsys):
             {"answer": "4", "level": 2}, {"answer": "5", "level": 2}]
     graded = [[(True, "1"), (False, "7"), (False, "7"), (False, "7")],      # 1/4 right, majority 7: wrong
               [(True, "2"), (True, "2.0"), (False, "9"), (False, "9")],     # a tie: "2" came first, right
-              [(False, "8"), (False, "9"), (True, "3"), (False, None)],     # a tie of three: "8" first, wrong
+              [(False, "8"), (True, "3"), (False, "9"), (False, None)],     # a tie of three: "8" first, wrong
               [(True, "4"), (True, "4"), (True, "4"), (True, "4")],
               [(True, "5")] * 4]                                            # beyond --eval-max-prompts 4
 
