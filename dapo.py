@@ -13,7 +13,8 @@ Naive GRPO is: --eps-high 0.2 --no-dynamic-sampling --no-token-level-loss
                --no-overlong-filtering --no-soft-overlong-punishment
 
 The rollout runs in vLLM inside this process; the policy is sharded with FSDP2 (fully_shard);
-after every update the new weights are pushed into vLLM.
+after every update the new weights are pushed into vLLM. --loss gspo|cispo|dr_grpo swaps in an
+objective proposed after DAPO.
 
     python dapo.py                                  # built-in tiny model + task, CPU, minutes
     python dapo.py --model Qwen/Qwen2.5-0.5B --train-data dapo-math-17k.parquet \\
@@ -21,11 +22,12 @@ after every update the new weights are pushed into vLLM.
     torchrun --nproc_per_node=8 dapo.py --model ... # one 8-GPU node
     bash run_32b.sh                                 # the paper's 32B run, multi-node
     python tools/plan.py --model ...                # what each GPU and node will hold
+    python tools/gpu_check.py --model ...           # first, on a new GPU machine
 
 Read Part 1: it is DAPO, in the order it runs: the config, the maths (Eqs. 9-13), train() (the paper's
 Algorithm 1), the rollout and its filter, the update, evaluation. Part 2, below its banner, is the
 plumbing (FSDP2, vLLM, checkpoints, checks, Ctrl-C); a function it provides is named where it is used.
-Beside this file: reward.py (the answer checker, Eq. 7) and tools/ (data checker, demo model, planner).
+Beside this file: reward.py (the answer checker, Eq. 7) and tools/ (input checks, demo model, planner).
 """
 
 import contextlib
