@@ -987,7 +987,7 @@ def load_hf_weights(model, path):
         names = [[(k, v.shape, v.dtype) for k, v in tensors.items()]]
         torch.distributed.broadcast_object_list(names, src=0)
         for name, shape, dtype in names[0]:
-            p = params[name]  # off rank 0, the full tensor is only a shape: its pages are never touched
+            p = params[name]  # off rank 0 an empty full-size buffer (on GPU it holds memory until del)
             t = tensors.pop(name).to(dev) if rank() == 0 else torch.empty(shape, dtype=dtype, device=dev)
             shard = distribute_tensor(t, p.device_mesh, p.placements, src_data_rank=0).to_local()
             with torch.no_grad():

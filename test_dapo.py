@@ -1702,7 +1702,7 @@ def test_memory_plan_host_ram_32b():
     host = dict(v["host"])
     P, emb = v["params"], 152064 * 5120
     assert host["offloaded state (fp32 params, grads, AdamW)"] == pytest.approx(16 * P)
-    assert host["peak while loading (a 5.0 GB weight file)"] == pytest.approx(32e9 + 4 * P + 5e9 + 8 * emb * 2)
+    assert host["peak while loading (a 5.0 GB weight file)"] == pytest.approx(32e9 + 4 * P + 5e9)  # scattered on GPU
     assert v["host_peak"] == pytest.approx(32e9 + 16 * P + 8 * 5e9 + 8 * emb * 2)
     assert 600e9 < v["host_peak"] < 620e9 and v["fits"] and v["gpu_fits"]
     cfg.plan_host_ram_gb = 512

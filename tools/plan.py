@@ -96,12 +96,16 @@ def memory_plan(cfg, shape, nodes, gpus_per_node, gpu_gb, device="cuda", weight_
     resident = sum(states.values())
     train_peak = resident + gathered + acts + (0 if cfg.vllm_sleep else vllm_total)
     rollout_peak = resident + vllm_total
+    # load_hf_weights: vLLM is awake; each tensor arrives whole on every GPU (bf16), then its shard is kept
+    biggest = max(V, i) * h                     # elements of the largest tensor: the embedding
+    load_peak = states["sharded fp32 parameters"] + vllm_total + biggest * 2
     rows = [(k, v) for k, v in states.items()] + [
         ("FSDP all-gathered layers (bf16)", gathered),
         (f"activations + logits, {tokens} tokens/micro-batch", acts),
         (f"vLLM weights (bf16, TP {cfg.tp_size})", vllm_weights), ("vLLM KV cache", kv_cache),
-        ("peak while training", train_peak), ("peak while generating", rollout_peak)]
-    gpu_fits = max(train_peak, rollout_peak) <= gpu_gb * GB and kv_cache >= kv_per_token * seq
+        ("peak while loading (the largest tensor whole)", load_peak), ("peak while training", train_peak),
+        ("peak while generating", rollout_peak)]
+    gpu_fits = max(load_peak, train_peak, rollout_peak) <= gpu_gb * GB and kv_cache >= kv_per_token * seq
     if weight_file is None:
         weight_file = min(5 * GB, 2 * P)
     host, host_peak = host_plan(cfg, shape, P, W, gpus_per_node, weight_file)
@@ -118,8 +122,8 @@ HOST_GB_PER_RANK = 4
 def host_plan(cfg, shape, P, W, gpus_per_node, weight_file):
     """Host RAM of the node that holds rank 0 (the busiest), in bytes: (rows, peak).
     Loading (load_hf_weights): rank 0 holds one safetensors file (weight_file bytes); each tensor
-    is broadcast alone, into GPU memory, or with --cpu-offload into host RAM on every rank, in the
-    file's dtype (bf16). Grads and AdamW state appear only at the first update.
+    is scattered alone on the GPUs, so with --cpu-offload host RAM receives only each rank's fp32
+    shard. Grads and AdamW state appear only at the first update.
     Saving (save_checkpoint), one after the other:
       dcp.save copies each rank's GPU state to host RAM (fp32 params, AdamW m and v: 12 B/param)
       and holds all of it until the rank's file is written (torch's FileSystemWriter keeps every
@@ -135,7 +139,7 @@ def host_plan(cfg, shape, P, W, gpus_per_node, weight_file):
     writers = min(g, math.ceil(P * save_b / file_b))
     base = g * HOST_GB_PER_RANK * GB
     state = 16 * P / W * g if off else 0       # fp32 params, grads, AdamW m and v
-    loading = base + (4 * P / W * g + g * biggest * 2 if off else 0) + weight_file
+    loading = base + (4 * P / W * g if off else 0) + weight_file
     training = base + state
     dcp_staging = 0 if off else 12 * P / W * g
     export = writers * file_b + (g * biggest * save_b if off else 0)
