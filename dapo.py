@@ -273,8 +273,8 @@ def train(cfg):
         every = [s for g in seen for s in g]
         for s, r in zip(every, shape_rewards(every, cfg).tolist()):
             s["reward"] = r
-        # 2. Advantages (Eq. 9) from the kept groups' shaped rewards; each sample's tokens then go
-        # to the rank that trains it.
+        # 2. Advantages (Eq. 9) from the kept groups' shaped rewards; send_to_trainers (Part 2) then
+        # sends each sample's tokens to the rank that trains it.
         samples = [s for g in kept for s in g]
         m["batch/effective_groups"] = set_advantages(samples, cfg)
         m["comm/bytes_received"] = send_to_trainers(samples, cfg, m.pop("comm/meta_bytes"))
@@ -287,10 +287,10 @@ def train(cfg):
         ticks.append(time.perf_counter())
         m.update(update_policy(run, samples))
         ticks.append(time.perf_counter())
-        # 4. Push the new weights into vLLM.
+        # 4. Push the new weights into vLLM (push_weights, Part 2).
         push_weights(run)
         ticks.append(time.perf_counter())
-        # 5. Log, evaluate, checkpoint.
+        # 5. Evaluate; log_step and save_checkpoint (Part 2) write the logs and the checkpoint.
         evals = {}
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
             evals = evaluate(run, f"step {step + 1}")
@@ -1211,7 +1211,7 @@ def _out_of_range(name, value):
 
 def check_config(cfg):
     """Refuse, in one line naming each flag, its value and the fix, settings that cannot run or would
-    silently train wrongly: every numeric field must be finite and in its range (LIMITS)."""
+    silently train wrongly: every numeric field must be finite and in its range (AT_LEAST, POSITIVE, AT_MOST_ONE)."""
     problems = [_out_of_range(f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
                 if type(getattr(cfg, f.name)) in (int, float)]
     ws = int(os.environ.get("WORLD_SIZE", "1"))
