@@ -1210,8 +1210,8 @@ def _out_of_range(name, value):
 
 
 def check_config(cfg):
-    """Refuse, in one line naming each flag, its value and the fix, settings that cannot run or would
-    silently train wrongly: every numeric field must be finite and in its range (AT_LEAST, POSITIVE, AT_MOST_ONE)."""
+    """Refuse, in one line naming each flag, its value and the range it must lie in, settings that cannot
+    run or would silently train wrongly: every numeric field finite and in range (AT_LEAST, POSITIVE, ...)."""
     problems = [_out_of_range(f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
                 if type(getattr(cfg, f.name)) in (int, float)]
     ws = int(os.environ.get("WORLD_SIZE", "1"))
