@@ -1431,7 +1431,7 @@ def log_step(run, step, m, every, samples, lr, ticks, evals):
         raise DapoError(f"step {step}: vLLM's log-probs of the sampled tokens differ from the trainer's by "
                         f"{gap:.3g} nats on average (--max-sync-diff {cfg.max_sync_diff}): the weight sync "
                         f"looks broken (a tensor mis-sharded, stale or lost in a sleep/wake cycle), or vLLM "
-                        f"and transformers compute this model differently; run tools/gpu_check.py")
+                        f"and transformers differ on this model; run tools/gpu_check.py, or raise the limit")
     if rank() != 0:
         return
     own = [s for s in samples if s["trainer"] == 0]  # the samples whose tokens rank 0 holds
