@@ -13,8 +13,9 @@ Naive GRPO is: --eps-high 0.2 --no-dynamic-sampling --no-token-level-loss
                --no-overlong-filtering --no-soft-overlong-punishment
 
 The rollout runs in vLLM inside this process; the policy is sharded with FSDP2 (fully_shard);
-after every update the new weights are pushed into vLLM. --loss gspo|cispo|dr_grpo swaps in an
-objective proposed after DAPO.
+after every update the new weights are pushed into vLLM. Objectives proposed after DAPO are one
+flag away: --loss gspo|cispo|dr_grpo|sapo, --kl-coef, --tis-mode, --off-policy-mask,
+--top-entropy-quantile, --deterministic.
 
     python dapo.py                                  # built-in tiny model + task, CPU, minutes
     python dapo.py --model Qwen/Qwen2.5-0.5B --train-data dapo-math-17k.parquet \\
@@ -23,11 +24,16 @@ objective proposed after DAPO.
     bash run_32b.sh                                 # the paper's 32B run, multi-node
     python tools/plan.py --model ...                # what each GPU and node will hold
     python tools/gpu_check.py --model ...           # first, on a new GPU machine
+A ~100M-parameter model on a laptop (2 CPU cores: ~30 s a step; python tools/real_model.py gives one):
+    python dapo.py --model DIR --train-data FILE --max-response-len 48 --prompts-per-step 4 \\
+        --group-size 4 --gen-batch-size 4 --no-dynamic-sampling --num-mini-batches 1 \\
+        --micro-batch-size 16 --lr 1e-6 --eval-samples 2
 
-Read Part 1: it is DAPO, in the order it runs: the config, the maths (Eqs. 9-13), train() (the paper's
-Algorithm 1), the rollout and its filter, the update, evaluation. Part 2, below its banner, is the
-plumbing (FSDP2, vLLM, checkpoints, checks, Ctrl-C); a function it provides is named where it is used.
-Beside this file: reward.py (the answer checker, Eq. 7) and tools/ (input checks, demo model, planner).
+Read Part 1: it is DAPO, in the order it runs: the config, the sample record, the maths (Eqs. 9-13 and
+the later objectives), train() (the paper's Algorithm 1), the rollout and its filter, the update,
+evaluation. Part 2, below its banner, is the plumbing (packing, the fp32 head, FSDP2, vLLM, checkpoints,
+checks, Ctrl-C); a function it provides is named where Part 1 calls it. Beside this file: reward.py
+(the answer checker, Eq. 7), lib/ (what this file imports) and tools/ (scripts that import this file).
 """
 
 import contextlib
@@ -42,19 +48,25 @@ import sys
 import time
 import types
 from dataclasses import dataclass
+from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-# Checks of the user's files (Part 2) live beside this file: bad input is one line, before anything slow.
-from tools.check_data import InputError as DapoError, check_checkpoint, check_model, check_weights, one_line
-from tools.check_data import load as load_data
+import reward  # the answer checker (Eq. 7), beside this file
+
+# Checks of the user's files (Part 2) live in lib/: bad input is one line, before anything slow.
+from lib.check_data import InputError as DapoError, check_checkpoint, check_model, check_weights, one_line
+from lib.check_data import load as load_data
 
 
 # =========================================================================================
 # Part 1: DAPO
 # =========================================================================================
-# Config: every field becomes a flag (`eps_high` -> --eps-high); its comment is the --help text.
+# Config: every field becomes a flag (`eps_high` -> --eps-high); its comment is the --help text. A
+# numeric field's range stands in braces in its comment ({>= 1}, {> 0}, {(0, 1]}: check_config reads
+# it there); a numeric field with none must be >= 0, and its comment says what 0 means.
 
 @dataclass
 class Config:
@@ -66,57 +78,72 @@ class Config:
     out_dir: str = "runs/dapo"       # metrics, samples and checkpoints go here
     task: str = "add"                # built-in task: add (2-digit sums) or carry (1-5 columns, the ladder's)
     # rollout (paper Sec. 4.1)
-    prompts_per_step: int = 512      # N: prompts (groups) in one training batch
-    group_size: int = 16             # G: responses sampled per prompt
-    gen_batch_size: int = 1536       # prompts per generation batch (verl: 3 x 512)
-    max_gen_batches: int = 10        # give up filling one batch after this many generation batches (>= 1)
-    max_prompt_len: int = 2048       # longer prompts are dropped at load time
-    max_response_len: int = 20480    # L_max (Eq. 13): generation stops here (truncated)
-    temperature: float = 1.0         # sampling temperature for training rollouts
-    top_p: float = 1.0               # top-p of training rollouts: must be 1 (old log-probs ignore the cut)
+    prompts_per_step: int = 512      # N: prompts (groups) in one training batch {>= 1}
+    group_size: int = 16             # G: responses sampled per prompt {>= 2: Eq. 9 needs a group}
+    gen_batch_size: int = 1536       # prompts per generation batch (verl: 3 x 512) {>= 1}
+    max_gen_batches: int = 10        # give up filling one batch after this many generation batches
+    #  {>= 1: verl's 0 = no limit would generate forever on data the model never solves: give a large number}
+    max_prompt_len: int = 2048       # longer prompts are dropped at load time {>= 1}
+    max_response_len: int = 20480    # L_max (Eq. 13): generation stops here (truncated) {>= 1}
+    temperature: float = 1.0         # sampling temperature for training rollouts {> 0}
+    top_p: float = 1.0               # top-p of training rollouts: must be 1 (old log-probs ignore the cut) {(0, 1]}
     # DAPO techniques (each one flag; the paper's Table 1 is a set of command lines)
-    eps_low: float = 0.2             # ε_low (Eq. 10)
-    eps_high: float = 0.28           # ε_high, Clip-Higher (Sec. 3.1); 0.2 = symmetric GRPO clip
+    eps_low: float = 0.2             # ε_low (Eq. 10) {(0, 1]}
+    eps_high: float = 0.28           # ε_high, Clip-Higher (Sec. 3.1); 0.2 = symmetric GRPO clip {> 0}
     dynamic_sampling: bool = True    # Eq. 11: keep groups with 0 < #correct < G, refill the batch
     token_level_loss: bool = True    # Eq. 12: normalise by all tokens; off = GRPO's per-sample mean
     overlong_filtering: bool = True  # Sec. 3.4: mask the loss of truncated samples
     soft_overlong_punishment: bool = True  # Eq. 13: length penalty added to the reward
     overlong_cache_len: int = 4096   # L_cache (Eq. 13): the soft-punishment interval
     dual_clip: float = 0.0           # dual-clip PPO's c > 1, bounds the loss if A < 0 (ref. run: 10); 0 = off
-    #  (the PPO-clip losses: not --loss cispo)
-    loss: str = "dapo"               # the objective: dapo (Eq. 10/12), or gspo, cispo, dr_grpo (after DAPO)
-    tis_cap: float = 0.0             # truncated importance sampling vs vLLM, cap C; 0 = off (the paper)
+    # objectives after DAPO (LOSSES below: each --loss's preset, and the shared flags it ignores)
+    loss: str = "dapo"               # the objective: dapo (Eq. 10/12), or gspo, cispo, dr_grpo, sapo
+    sapo_tau_pos: float = 1.0        # --loss sapo: the soft gate's temperature τ_pos where A > 0 {> 0}
+    sapo_tau_neg: float = 1.05       # --loss sapo: τ_neg, where A <= 0 {> 0}
+    kl_coef: float = 0.0             # β: GRPO's k3 KL penalty to the frozen initial policy (DAPO drops it,
+    #  Sec. 2.3); 0 = off, no reference model loaded
+    top_entropy_quantile: float = 1.0  # ρ: only the mini-batch's top-ρ entropy tokens carry the policy
+    #  loss (arXiv 2506.01939); 1.0 = off, every token {(0, 1]}
+    # rollout correction: vLLM samples from a policy a little off the trainer's (kernels, bf16)
+    tis_mode: str = "token_truncate"  # importance weights π_θold / π_rollout per token or per sequence:
+    #  token_truncate, token_mask, sequence_truncate or sequence_mask (as TRL's)
+    tis_cap: float = 0.0             # the weights' upper bound C; 0 = off (the paper)
+    tis_min: float = 0.0             # the weights' lower bound; 0 = none
+    off_policy_mask: float = 0.0     # δ (DeepSeek-V3.2, Eq. 9): drop the A < 0 sequences whose mean
+    #  log π_rollout - log π_θ exceeds δ; 0 = off
     # optimisation (paper Sec. 4.1)
-    lr: float = 1e-6                 # AdamW learning rate
+    lr: float = 1e-6                 # AdamW learning rate {> 0}
     warmup_steps: int = 20           # linear warm-up, in rollout steps; 0 = none
     weight_decay: float = 0.1        # AdamW weight decay (reference run); 0 = none
     grad_clip: float = 1.0           # max global grad norm; 0 = no clipping (the norm is still logged)
-    max_nonfinite: int = 10          # stop after this many optimizer steps in a row skipped for NaN/inf
-    num_mini_batches: int = 16       # μ: gradient updates per rollout step
-    micro_batch_size: int = 4        # sequences per forward/backward on one rank
+    max_nonfinite: int = 10          # stop after this many optimizer steps in a row skipped for NaN/inf {>= 1}
+    num_mini_batches: int = 16       # μ: gradient updates per rollout step {>= 1}
+    micro_batch_size: int = 4        # sequences per forward/backward on one rank {>= 1}
     micro_batch_tokens: int = 0      # micro-batches by this budget of real tokens; 0 = by --micro-batch-size
-    logprob_chunk: int = 1024        # tokens per chunk of the memory-lean log-prob path
+    logprob_chunk: int = 1024        # tokens per chunk of the memory-lean log-prob path {>= 1}
     grad_checkpointing: bool = False  # recompute each decoder layer's activations in backward
     attn_impl: str = ""              # trainer attention: flex_attention, flash_attention_2 or sdpa; "" = flex
     #   on CUDA (sequences packed in one row, block-sparse masks), sdpa on CPU (rows, dense masks)
     cpu_offload: bool = False        # CUDA only: keep sharded params, grads and optimizer state in CPU RAM
     # engine and hardware
-    tp_size: int = 1                 # vLLM tensor-parallel size (TP groups = contiguous ranks)
-    gpu_memory_utilization: float = 0.6  # vLLM's share of GPU memory (weights + KV cache)
-    cpu_kv_cache_gb: float = 1.0     # vLLM KV cache on the CPU backend, GiB per rank
+    tp_size: int = 1                 # vLLM tensor-parallel size (TP groups = contiguous ranks) {>= 1}
+    gpu_memory_utilization: float = 0.6  # vLLM's share of GPU memory (weights + KV cache) {(0, 1]}
+    cpu_kv_cache_gb: float = 1.0     # vLLM KV cache on the CPU backend, GiB per rank {> 0}
     vllm_sleep: bool = True          # CUDA only: free vLLM's memory while training
-    reward_timeout: float = 5.0      # hard per-item limit of the answer checker, seconds
-    reward_workers: int = 2          # checker worker processes per rank
+    reward_timeout: float = 5.0      # hard per-item limit of the answer checker, seconds {> 0}
+    reward_workers: int = 2          # checker worker processes per rank {>= 1}
     max_sync_diff: float = 0.1       # stop if the trainer's and vLLM's log-probs differ by more; 0 = off
     #   (mean over the kept samples' tokens, nats: healthy bf16 runs report ~0.01-0.04, a broken sync 0.3+)
-    collective_timeout_min: float = 180.0  # minutes a rank may wait in a collective (torch: 30)
+    collective_timeout_min: float = 180.0  # minutes a rank may wait in a collective (torch: 30) {> 0}
+    deterministic: bool = False      # vLLM's batch-invariant kernels and torch's deterministic algorithms
+    #  (CPU runs are deterministic already)
     # run
-    steps: int = 200                 # rollout steps
+    steps: int = 200                 # rollout steps {>= 1}
     seed: int = 0                    # everything random derives from this (>= 0)
     eval_every: int = 0              # evaluate every N rollout steps; 0 = only before and after
     eval_samples: int = 4            # k of avg@k on the held-out set; 0 = no evaluation
-    eval_temperature: float = 1.0    # the paper's evaluation sampling
-    eval_top_p: float = 0.7          # the paper's evaluation sampling
+    eval_temperature: float = 1.0    # the paper's evaluation sampling {> 0}
+    eval_top_p: float = 0.7          # the paper's evaluation sampling {(0, 1]}
     eval_max_prompts: int = 0        # evaluate on at most this many held-out prompts; 0 = all
     save_every: int = 0              # checkpoint every N rollout steps; 0 = only at the end
     keep_checkpoints: int = 2        # keep the last K checkpoints; 0 = keep all
@@ -124,9 +151,9 @@ class Config:
     eval_only: bool = False          # evaluate --model (or, with --resume, the latest checkpoint) and exit
     log_samples: int = 4             # sampled responses per step written to samples.jsonl; 0 = none
     wandb_project: str = ""          # log to Weights & Biases under this project (needs `pip install wandb`)
-    demo_sft_target: float = 0.3     # demo only: stop the warm-start at this expected accuracy; 0 = none
+    demo_sft_target: float = 0.3     # demo only: stop the warm-start at this expected accuracy; 0 = none {[0, 1]}
     save_dtype: str = "bfloat16"     # dtype of the checkpoints' HF export: bfloat16 or float32
-    hf_shard_gb: float = 5.0         # largest safetensors file of the Hugging Face export, GB
+    hf_shard_gb: float = 5.0         # largest safetensors file of the Hugging Face export, GB {> 0}
 
 
 # The built-in task's settings, applied on the built-in model (no --model, or a saved demo model; a flag
@@ -138,11 +165,37 @@ DEMO = dict(prompts_per_step=64, group_size=8, gen_batch_size=96, max_prompt_len
 # --task carry: written reasoning of 10 to 50 tokens, so each DAPO technique has something to act on.
 CARRY = dict(DEMO, prompts_per_step=32, gen_batch_size=48, max_response_len=96, overlong_cache_len=24,
              lr=2e-4, steps=75, eval_every=25, demo_sft_target=0.25, out_dir="runs/carry")
-# --loss: DAPO's objective or a later one, with its paper's settings (policy_loss, loss_normaliser). GSPO
-# (Zheng et al. 2025): one ratio per sequence, so a far narrower clip. CISPO (MiniMax-M1, 2025): no lower
-# bound on the weight (its ε_high is unpublished: DAPO's is kept). Dr. GRPO (Liu et al. 2025): PPO's clip.
-LOSSES = {"dapo": {}, "gspo": dict(eps_low=3e-4, eps_high=4e-4), "cispo": dict(eps_low=1.0),
-          "dr_grpo": dict(eps_high=0.2)}
+# --loss: DAPO's objective or a later one (policy_loss). "preset": its paper's values of shared flags (a
+# flag given wins); "ignores": the shared flags it has no use for (refused unless at their default). A
+# loss's own settings are the Config fields named after it (sapo_tau_pos). GSPO (Zheng et al. 2025): one
+# ratio per sequence, so a far narrower clip. CISPO (MiniMax-M1, 2025): no lower bound on the weight (its
+# ε_high is unpublished: DAPO's is kept). Dr. GRPO (Liu et al. 2025): PPO's clip. SAPO (arXiv
+# 2511.20347): a soft gate instead of a clip.
+LOSSES = {"dapo": {},
+          "gspo": dict(preset=dict(eps_low=3e-4, eps_high=4e-4), ignores=("token_level_loss",)),
+          "cispo": dict(preset=dict(eps_low=1.0), ignores=("dual_clip",)),
+          "dr_grpo": dict(preset=dict(eps_high=0.2), ignores=("token_level_loss",)),
+          "sapo": dict(ignores=("eps_low", "eps_high", "dual_clip", "token_level_loss"))}
+
+
+# -----------------------------------------------------------------------------------------
+# The sample: one dict per response, filled in as the step runs. Key: who sets it, what it holds.
+#   row, pos, prompt_ids   sample_groups: the prompt's row in the data, its place in the batch, its ids
+#   src                    sample_groups: the rank whose vLLM group generated it; it holds the tokens
+#   response_ids           vLLM: the response's token ids, EOS included (absent on a stub, see trainer)
+#   vllm_logp              vLLM: log π_rollout of each response token (absent on a stub)
+#   len, truncated         vLLM: |o_i|; whether generation was cut at --max-response-len
+#   text, correct          reward.py (Eq. 7): the decoded response (dropped once scored), the verdict
+#   answer                 evaluate only: the extracted answer, for maj@k
+#   reward                 train: Eq. 7's ±1 plus Eq. 13's penalty (shape_rewards)
+#   adv                    set_advantages: A_i (Eq. 9)
+#   trained                overlong_filtering (Sec. 3.4): False masks the sample's loss
+#   trainer                send_to_trainers (Part 2): the rank that trains it; on every other rank the
+#                          sample is a stub (no tokens), which the update reads only for its length
+#   old_logp               old_logprobs (Part 2): log π_θold of each response token, before any update
+#   ref_logp, old_entropy  old_logprobs (Part 2): log π_ref (--kl-coef); π_θold's entropy (--top-entropy-
+#                          quantile)
+#   dummy                  micro_batches (Part 2): a zero-weight pad stub that keeps FSDP's ranks in step
 
 
 # -----------------------------------------------------------------------------------------
@@ -172,83 +225,114 @@ def dynamic_sampling_mask(correct, group_size):
     return (n > 0) & (n < group_size)
 
 
-def policy_loss(logp, old_logp, advantages, mask, cfg, norm=None, tis_weight=None):
-    """The objective of cfg.loss as a loss to minimise: DAPO's decoupled-clip surrogate (Eq. 10) or a
-    variant. logp, old_logp, mask: (B, T); advantages: (B,). norm = (per_sample, n) from loss_normaliser:
-    the sum of the token losses (each sample's first averaged if per_sample) is divided by n, a count over
-    the WHOLE mini-batch, so that micro-batch losses add up exactly (None: this batch's token mean).
-    Returns (loss, stats): where the clip binds (clip/low_frac, clip/high_frac), and the KL estimate."""
-    adv = advantages.unsqueeze(-1)
+# The objective, per token. ratio: (B, T), r_t = π_θ / π_θold; adv: (B, 1). Each returns the token losses
+# to minimise (B, T) and where its clip binds, on the low and the high side (bool, for clip/*_frac).
+
+def dapo_token_loss(ratio, adv, eps_low, eps_high):
+    """Eq. 10: -min(r A, clip(r, 1 - ε_low, 1 + ε_high) A). Clip-Higher decouples ε_high from ε_low. The
+    clip binds (zero gradient) only on the side the advantage pushes: r < 1 - ε_low with A < 0, r > 1 +
+    ε_high with A > 0. Dr. GRPO's objective too, with ε_high = ε_low."""
+    loss = -torch.min(ratio * adv, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv)
+    return loss, (ratio < 1 - eps_low) & (adv < 0), (ratio > 1 + eps_high) & (adv > 0)
+
+
+def gspo_token_loss(log_ratio, mask, adv, eps_low, eps_high):
+    """GSPO (Zheng et al. 2025, Eq. 5-7): one ratio per sequence, s_i = exp(mean_t log r_t), clipped as a
+    whole by Eq. 10's clip, so every token of a clipped sequence binds; each token carries s_i."""
+    seq = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    return dapo_token_loss(torch.exp(seq).expand_as(log_ratio), adv, eps_low, eps_high)
+
+
+def cispo_token_loss(ratio, logp, adv, eps_low, eps_high):
+    """CISPO (MiniMax-M1 2025, Eq. 4): -sg(clip(r, 1 - ε_low, 1 + ε_high)) A log π_θ, a clipped, detached
+    weight, so every token keeps a gradient. Its clip binds where the weight is capped, whatever A."""
+    loss = -torch.clamp(ratio, 1 - eps_low, 1 + eps_high).detach() * adv * logp
+    return loss, ratio < 1 - eps_low, ratio > 1 + eps_high
+
+
+def sapo_token_loss(ratio, adv, tau_pos, tau_neg):
+    """SAPO (arXiv 2511.20347): the hard clip becomes a soft gate, -sigmoid(τ (r - 1)) 4/τ A (τ_pos where
+    A > 0, else τ_neg), whose gradient is 4 σ(1 - σ) times the unclipped r A ∇log π: exactly that at r = 1,
+    fading smoothly on both sides. clip/* report where the gate cut it by over half, below r = 1 or above."""
+    tau = torch.full_like(adv, tau_neg).masked_fill(adv > 0, tau_pos)
+    gate = torch.sigmoid(tau * (ratio - 1))
+    faded = 4 * gate * (1 - gate) < 0.5
+    return -gate * (4 / tau) * adv, faded & (ratio < 1), faded & (ratio > 1)
+
+
+class Normaliser(NamedTuple):
+    """How policy_loss averages a mini-batch's token losses (loss_normaliser decides it once per mini-batch)."""
+    per_sample: bool  # True: each sample's token mean first (GRPO); False: every token alike (Eq. 12)
+    n: float          # what the sum is divided by: a count over the WHOLE mini-batch, every micro-batch and rank
+
+
+def policy_loss(logp, old_logp, advantages, mask, cfg, norm=None, weight=None, ref_logp=None):
+    """The --loss objective over one micro-batch, as a loss to minimise: its token losses, then Eq. 12's sum.
+    logp, old_logp, mask: (B, T); advantages: (B,); norm: a Normaliser (None: this batch's token mean); weight:
+    detached per-token factors (loss_weights); ref_logp: log π_ref (--kl-coef). Returns (loss, stats)."""
     log_ratio = torch.where(mask.bool(), logp - old_logp, 0.0)  # padding never reaches exp()
     log_ratio = log_ratio.clamp(-20.0, 20.0)  # as verl: a wild token cannot overflow exp()
-    ratio = r = torch.exp(log_ratio)  # r_t = π_θ / π_θold, per token
-    lo, hi = 1 - cfg.eps_low, 1 + cfg.eps_high
-    if cfg.loss == "gspo":  # GSPO (Zheng et al. 2025, Eq. 5-7): s_i = exp(mean log-ratio), clipped whole
-        seq = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
-        r = torch.exp(seq).expand_as(ratio)  # each token carries its sequence's ratio (per_sample below)
-    if cfg.loss == "cispo":  # CISPO (MiniMax-M1 2025, Eq. 4): a clipped, detached weight times A log π
-        per_token = -torch.clamp(r, lo, hi).detach() * adv * logp  # so every token keeps a gradient
-    else:  # DAPO (Clip-Higher): the upper clip 1 + eps_high is decoupled from the lower 1 - eps_low
-        per_token = -torch.min(r * adv, torch.clamp(r, lo, hi) * adv)
-        if cfg.dual_clip:  # dual-clip PPO: the loss of an A < 0 token is at most -c A
-            per_token = torch.where(adv < 0, torch.minimum(per_token, -cfg.dual_clip * adv), per_token)
-    if tis_weight is not None:
-        per_token = per_token * tis_weight
-    per_sample, n = norm if norm is not None else (False, mask.sum())
-    per_token = per_token * mask
-    if per_sample:  # GRPO, GSPO: each sample weighs the same, whatever its length
-        per_token = per_token.sum(-1) / mask.sum(-1).clamp(min=1)
-    loss = per_token.sum() / max(float(n), 1.0)  # DAPO (token-level loss, Eq. 12): every token the same
-    with torch.no_grad():  # where the clip binds (a new variant says where its own does, or reports 0):
-        low, high = r < lo, r > hi  # CISPO caps the weight there, whatever A
-        if cfg.loss != "cispo":  # the PPO clip zeroes the gradient, only on the side the advantage pushes
-            low, high = low & (adv < 0), high & (adv > 0)
-        count = mask.sum().clamp(min=1)
-        stats = {"clip/low_frac": (low.float() * mask).sum() / count,
-                 "clip/high_frac": (high.float() * mask).sum() / count,
-                 "approx_kl": ((ratio - 1 - log_ratio) * mask).sum() / count}  # k3 estimate of KL(old||new)
+    ratio = torch.exp(log_ratio)  # r_t = π_θ / π_θold, per token
+    adv = advantages.unsqueeze(-1)  # A_i, on every token of sample i (Eq. 9)
+    if cfg.loss == "gspo":
+        per_token, low, high = gspo_token_loss(log_ratio, mask, adv, cfg.eps_low, cfg.eps_high)
+    elif cfg.loss == "cispo":
+        per_token, low, high = cispo_token_loss(ratio, logp, adv, cfg.eps_low, cfg.eps_high)
+    elif cfg.loss == "sapo":
+        per_token, low, high = sapo_token_loss(ratio, adv, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
+    else:  # DAPO (Clip-Higher, Eq. 10); Dr. GRPO
+        per_token, low, high = dapo_token_loss(ratio, adv, cfg.eps_low, cfg.eps_high)
+    if cfg.dual_clip:  # dual-clip PPO (the reference run: c = 10): an A < 0 token's loss is at most -c A
+        per_token = torch.where(adv < 0, torch.minimum(per_token, -cfg.dual_clip * adv), per_token)
+    if weight is not None:
+        per_token = per_token * weight
+    if ref_logp is not None:  # GRPO's KL penalty (DAPO drops it, Sec. 2.3): the k3 estimate of KL(π_θ||π_ref)
+        kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
+        per_token = per_token + cfg.kl_coef * kl
+    norm = norm or Normaliser(per_sample=False, n=mask.sum())
+    masked = per_token * mask
+    if norm.per_sample:  # GRPO, GSPO, SAPO: each sample weighs the same, whatever its length
+        total = (masked.sum(-1) / mask.sum(-1).clamp(min=1)).sum()
+    else:  # DAPO (token-level loss, Eq. 12): every token of the mini-batch weighs the same
+        total = masked.sum()
+    loss = total / max(float(norm.n), 1.0)  # n counts the WHOLE mini-batch: micro-batch losses add up
+    with torch.no_grad():  # means over this batch's trained tokens
+        mean = lambda x: (x * mask).sum() / mask.sum().clamp(min=1)  # noqa: E731
+        stats = {"clip/low_frac": mean(low), "clip/high_frac": mean(high),
+                 "approx_kl": mean(ratio - 1 - log_ratio)}  # k3 estimate of KL(π_θold || π_θ)
+        if ref_logp is not None:
+            stats["kl/ref"] = mean(kl)
     return loss, stats
 
 
-def tis_weights(old_logp, rollout_logp, mask, cap):
-    """Truncated importance sampling (off by default; verl, TRL): vLLM sampled from a policy a little
-    off the trainer's (kernels, bf16), so each token gets w = min(pi_old / pi_rollout, cap), detached."""
-    log_w = torch.where(mask.bool(), old_logp - rollout_logp, 0.0).clamp(max=20.0)
-    raw = torch.exp(log_w).detach()
-    w = raw.clamp(max=cap)
-    mask = mask.float()
-    count = mask.sum().clamp(min=1)
-    return w, {"tis/weight_mean": (w * mask).sum() / count,
-               "tis/clipped_frac": ((raw > cap).float() * mask).sum() / count}
+def tis_weights(old_logp, rollout_logp, mask, cap, mode="token_truncate", floor=0.0):
+    """Rollout correction (verl; TRL's vllm_importance_sampling_mode): vLLM sampled from π_rollout, a little
+    off π_θold, so each token's loss is weighted by ρ = π_θold / π_rollout, per token or per sequence (the
+    product of its token ratios, as a sum of logs): *_truncate clamps ρ to [floor, cap], *_mask zeroes it outside."""
+    log_w = torch.where(mask.bool(), old_logp - rollout_logp, 0.0)
+    if mode.startswith("sequence"):
+        log_w = log_w.sum(-1, keepdim=True)
+    raw = torch.exp(log_w.clamp(max=20.0)).detach()
+    outside = (raw > cap) | (raw < floor)
+    w = raw.clamp(min=floor, max=cap) if mode.endswith("truncate") else torch.where(outside, 0.0, raw)
+    mask, hit = mask.float(), outside.float() * mask  # hit: tokens truncated or masked
+    return w, {"tis/weight_mean": (w * mask).sum() / mask.sum().clamp(min=1),
+               "tis/clipped_frac": hit.sum() / mask.sum().clamp(min=1),
+               "tis/clipped_seq_frac": hit.amax(-1).sum() / mask.amax(-1).sum().clamp(min=1)}
 
 
-def _chunk_logprobs(hidden, weight, targets, temperature):
-    # the head in fp32, as vLLM runs it (head_dtype="float32"): bf16 logits near 20 are 0.125
-    # apart, far coarser than the policy changes the ratio measures
-    x = (hidden.float() @ weight.float().T) / temperature
-    lse = torch.logsumexp(x, -1)
-    logp = x.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    with torch.no_grad():  # entropy is monitored, not trained on
-        ent = lse - (torch.softmax(x, -1) * x).sum(-1)
-    return logp, ent
+def off_policy_mask(logp, rollout_logp, adv, mask, delta):
+    """DeepSeek-V3.2 (arXiv 2512.02556, Eq. 9), as TRL computes it: keep a sequence unless A < 0 and the mean
+    over its tokens of log π_rollout - log π_θ (π_θ detached) exceeds δ: too far off-policy to learn from."""
+    kl = ((rollout_logp - logp.detach()) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    keep, trained = ((adv >= 0) | (kl <= delta)).float(), mask.amax(-1, keepdim=True)
+    return keep, {"offpolicy/dropped_seq_frac": ((1 - keep) * trained).sum() / trained.sum().clamp(min=1)}
 
 
-def token_logprobs(hidden, weight, targets, temperature=1.0, chunk=1024):
-    """log softmax(hidden @ weight.T / T)[targets] and the entropy, (B, T) each, with fp32 logits
-    for about `chunk` tokens at a time, recomputed in backward: at 20k tokens and a 152k vocabulary
-    a whole (T, V) fp32 logits tensor would take ~12 GB per sequence."""
-    from torch.utils.checkpoint import checkpoint
-    lps, ents = [], []
-    step = max(1, chunk // hidden.shape[0])  # `chunk` counts tokens over all B rows
-    for s in range(0, hidden.shape[1], step):
-        hs, tg = hidden[:, s:s + step], targets[:, s:s + step]
-        if torch.is_grad_enabled() and (hs.requires_grad or weight.requires_grad):
-            lp, ent = checkpoint(_chunk_logprobs, hs, weight, tg, temperature, use_reentrant=False)
-        else:
-            lp, ent = _chunk_logprobs(hs, weight, tg, temperature)
-        lps.append(lp)
-        ents.append(ent)
-    return torch.cat(lps, 1), torch.cat(ents, 1)
+def entropy_threshold(entropies, rho):
+    """Beyond the 80/20 rule (arXiv 2506.01939): the tokens at or above the (1 - ρ) quantile of the mini-
+    batch's entropies carry the loss (linear interpolation, as torch.quantile and TRL; numpy has no size cap)."""
+    return float(np.quantile(entropies.double().numpy(), 1 - rho)) if entropies.numel() else math.inf
 
 
 # -----------------------------------------------------------------------------------------
@@ -269,15 +353,15 @@ def train(cfg):
                                  cfg.top_p, (cfg.seed, step, b))
 
         # 1. Sample and filter (Eq. 11): generation batches until N groups are kept; shape every reward.
-        kept, seen, m = collect_batch(generate, run.sampler, cfg)
-        every = [s for g in seen for s in g]
-        for s, r in zip(every, shape_rewards(every, cfg).tolist()):
+        kept, seen, metrics = collect_batch(generate, run.sampler, cfg)
+        generated = [s for g in seen for s in g]
+        for s, r in zip(generated, shape_rewards(generated, cfg).tolist()):
             s["reward"] = r
-        # 2. Advantages (Eq. 9) from the kept groups' shaped rewards; send_to_trainers (Part 2) then
-        # sends each sample's tokens to the rank that trains it.
+        # 2. Advantages (Eq. 9), the overlong filter; send_to_trainers (Part 2): tokens to their trainer.
         samples = [s for g in kept for s in g]
-        m["batch/effective_groups"] = set_advantages(samples, cfg)
-        m["comm/bytes_received"] = send_to_trainers(samples, cfg, m.pop("comm/meta_bytes"))
+        metrics["batch/effective_groups"] = set_advantages(samples, cfg)
+        overlong_filtering(samples, cfg)
+        metrics["comm/bytes_received"] = send_to_trainers(samples, cfg, metrics.pop("comm/meta_bytes"))
         # 3. μ gradient updates (Eq. 10, 12), with linear warm-up over rollout steps.
         lr = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
         for g in run.opt.param_groups:
@@ -285,7 +369,7 @@ def train(cfg):
         if run.sleep:  # PLUMBING (CUDA): vLLM frees its weights and KV cache while the trainer works
             run.llm.sleep(level=2)
         ticks.append(time.perf_counter())
-        m.update(update_policy(run, samples))
+        metrics.update(update_policy(run, samples))
         ticks.append(time.perf_counter())
         # 4. Push the new weights into vLLM (push_weights, Part 2).
         push_weights(run)
@@ -294,7 +378,7 @@ def train(cfg):
         evals = {}
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
             evals = evaluate(run, f"step {step + 1}")
-        log_step(run, step + 1, m, every, samples, lr, ticks, evals)
+        log_step(run, step + 1, metrics, generated, samples, lr, ticks, evals)
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
             save_checkpoint(run, step + 1)
     first, last = run.state["first_eval"], evaluate(run, "after")
@@ -311,25 +395,11 @@ def sample_groups(run, rows, prompt_ids, idx, n, temperature, top_p, key, answer
     """n scored responses for each prompt rows[i], i in idx. Each data-parallel vLLM group generates
     and scores its share; every rank then gets every group back, in order, but a response's tokens
     ("response_ids", "vllm_logp") stay on the rank "src" that generated it (share_groups, Part 2)."""
-    import reward
-    from vllm import SamplingParams
     cfg = run.cfg
     mine = my_prompts(len(idx), cfg.tp_size)  # Part 2: the TP ranks of a group share prompts and seeds
-    # flat log-probs, no detokenizing: no Python object per generated token (the text is decoded below)
-    params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=cfg.max_response_len,
-                            logprobs=0, flat_logprobs=True, detokenize=False)
     t0 = time.perf_counter()
-    with seeded_engine(run.llm, *key, "dp", rank() // cfg.tp_size):  # Part 2: one seed per call
-        prompts = [{"prompt_token_ids": prompt_ids[idx[j]]} for j in mine]
-        outs = run.llm.generate(prompts, params, use_tqdm=False) if mine else []
+    local = generate(run, [prompt_ids[idx[j]] for j in mine], n, temperature, top_p, key)  # Part 2: vLLM
     t1 = time.perf_counter()
-    local = []
-    for out in outs:
-        for o in out.outputs:
-            ids = list(o.token_ids)
-            local.append({"response_ids": ids, "vllm_logp": list(o.logprobs.logprobs),
-                          "truncated": o.finish_reason == "length", "len": len(ids),
-                          "text": run.tokenizer.decode(ids, skip_special_tokens=True)})
     truth = [rows[idx[j]]["answer"] for j in mine for _ in range(n)]
     correct, rstats = reward.score_batch([s["text"] for s in local], truth, timeout=cfg.reward_timeout,
                                          num_workers=cfg.reward_workers)
@@ -339,8 +409,7 @@ def sample_groups(run, rows, prompt_ids, idx, n, temperature, top_p, key, answer
             s["answer"] = reward.extract_answer(s["text"])
     t2 = time.perf_counter()
     times = {"time/rollout": t1 - t0, "time/reward": t2 - t1, "reward/timeouts": rstats["timeouts"],
-             # -log p of the sampled tokens estimates the entropy over every generated token, not
-             # only the kept groups' (with dynamic sampling those are the uncertain ones)
+             # -log p of the sampled tokens: the entropy over ALL generated tokens, not only the kept groups'
              "gen/nll": -sum(sum(s["vllm_logp"]) for s in local), "gen/tokens": sum(s["len"] for s in local)}
     return share_groups(local, idx, prompt_ids, n, times, cfg.tp_size, answers)
 
@@ -356,22 +425,25 @@ def shape_rewards(samples, cfg):
 
 def collect_batch(sample_fn, sampler, cfg):
     """Algorithm 1, lines 3-8: generation batches until N groups pass the dynamic-sampling filter
-    (the surplus is dropped). sample_fn(prompt indices, batch no) -> (groups, stats)."""
+    (the surplus is dropped). sample_fn(prompt indices, batch no) -> (groups, stats). It gives up
+    early once the batches left could not fill the batch even at twice the keep rate so far."""
     G, N = cfg.group_size, cfg.prompts_per_step
-    kept, seen, mixed, times = [], [], [], {}
+    size = cfg.gen_batch_size if cfg.dynamic_sampling else N
+    kept, seen, passed, times = [], [], [], {}
     for b in range(cfg.max_gen_batches):
-        groups, t = sample_fn(sampler.take(cfg.gen_batch_size if cfg.dynamic_sampling else N), b)
+        groups, t = sample_fn(sampler.take(size), b)
         times = {k: times.get(k, 0) + v for k, v in t.items()}
         seen += groups
-        passed = dynamic_sampling_mask(torch.tensor([s["correct"] for g in groups for s in g]), G).tolist()
-        mixed += passed
+        mixed = dynamic_sampling_mask(torch.tensor([s["correct"] for g in groups for s in g]), G).tolist()
+        passed += mixed
         if cfg.dynamic_sampling:  # DAPO (dynamic sampling, Eq. 11): on accuracy, not on the shaped reward
-            groups = [g for g, k in zip(groups, passed) if k]
+            groups = [g for g, k in zip(groups, mixed) if k]
         kept += groups
         if len(kept) >= N:
-            stats = {"filter/kept_frac": sum(mixed) / len(seen), "filter/gen_batches": b + 1, **times}
-            return kept[:N], seen, stats
-    raise too_few_groups(len(kept), seen, cfg)  # Part 2: the error, with what to change
+            return kept[:N], seen, {"filter/kept_frac": sum(passed) / len(seen), "filter/gen_batches": b + 1, **times}
+        if len(kept) + 2 * (cfg.max_gen_batches - b - 1) * size * sum(passed) / len(seen) < N:
+            break
+    raise too_few_groups(len(kept), seen, b + 1, cfg)  # Part 2: the error, with what to change
 
 
 def set_advantages(samples, cfg):
@@ -384,188 +456,82 @@ def set_advantages(samples, cfg):
     return int((adv.view(-1, cfg.group_size) != 0).any(1).sum())
 
 
+def overlong_filtering(samples, cfg):
+    """Sec. 3.4: which samples are trained on ("trained"); the others' loss is masked."""
+    for s in samples:  # DAPO (overlong filtering, Sec. 3.4): a truncated sample teaches nothing
+        s["trained"] = not (cfg.overlong_filtering and s["truncated"])
+
+
 # -----------------------------------------------------------------------------------------
 # Update: old log-probs, then μ gradient steps with the exact token-level normaliser
 
-def first_fit_decreasing(lengths, cap):
-    """Bin packing: index lists of items (longest first) whose lengths add up to at most cap;
-    an item longer than cap gets a bin of its own."""
-    bins, room = [], []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        for b, free in enumerate(room):
-            if lengths[i] <= free:
-                bins[b].append(i)
-                room[b] -= lengths[i]
-                break
-        else:
-            bins.append([i])
-            room.append(cap - lengths[i])
-    return bins
-
-
-def collate(samples, pad_id, device, one_row=False):
-    """Packed rows, no compute on padding: sequences (prompt + response) bin-packed into rows as long as
-    the longest (one_row: all in one, packs_one_row), position_ids restarting at 0 per sequence: from them
-    transformers reads the boundaries, and attention never crosses sequences. "index": the positions
-    predicting the response tokens "targets", "lengths" of them; "mask" (B, R): every response token,
-    EOS included (never derived from pad ids)."""
-    lens = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
-    L = sum(lens) if one_row else max(lens)
-    rows = first_fit_decreasing(lens, L)
-    ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
-    pos = torch.zeros_like(ids)
-    start = [0] * len(samples)  # flat position of the hidden state predicting sample i's first response token
-    for r, row in enumerate(rows):
-        at = 0
-        for i in row:
-            s = samples[i]
-            ids[r, at:at + lens[i]] = torch.tensor(list(s["prompt_ids"]) + list(s["response_ids"]))
-            pos[r, at:at + lens[i]] = torch.arange(lens[i])
-            start[i] = r * L + at + len(s["prompt_ids"]) - 1
-            at += lens[i]
-        pos[r, at:] = torch.arange(L - at)  # the row's tail: a pad sequence of its own
-    n = [len(s["response_ids"]) for s in samples]
-    index = torch.cat([torch.arange(k) + st for k, st in zip(n, start)])
-    mask = (torch.arange(max(n)) < torch.tensor(n)[:, None]).float()
-    targets = torch.cat([torch.tensor(list(s["response_ids"]), dtype=torch.long) for s in samples])
-    return {"input_ids": ids.to(device), "position_ids": pos.to(device), "index": index.to(device),
-            "targets": targets.to(device), "lengths": n, "mask": mask.to(device)}
-
-
-def forward_logprobs(model, batch, temperature, chunk):
-    """(B, R) log-probs and entropies of the response tokens: the decoder on packed rows, then the
-    fused fp32 head on the response-predicting positions only. An FSDP forward method (load_policy)."""
-    # use_cache=False: with a KV cache transformers skips packed-row detection, and attention
-    # would silently leak across the sequences of a row
-    hidden = model.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                         attention_mask=None, use_cache=False).last_hidden_state
-    hidden = hidden.flatten(0, 1)[batch["index"]].unsqueeze(0)  # (1, N, h): the N response tokens
-    lp, ent = token_logprobs(hidden, model.lm_head.weight, batch["targets"].unsqueeze(0), temperature, chunk)
-    # back to (B, R), zeros beyond each response
-    return (pad_sequence(lp[0].split(batch["lengths"]), batch_first=True),
-            pad_sequence(ent[0].split(batch["lengths"]), batch_first=True))
-
-
-def pack_by_tokens(samples, budget):
-    """Micro-batches of at most `budget` real tokens (prompts + responses): packed rows compute
-    nothing else but row tails."""
-    bins = first_fit_decreasing([len(s["prompt_ids"]) + s["len"] for s in samples], budget)
-    return [[samples[i] for i in b] for b in bins]
-
-
-def micro_batches(samples, cfg):
-    """The μ mini-batches (all ranks' samples; others' are stubs) and this rank's share of each as
-    micro-batches. Every rank runs the same number of forward passes (FSDP's collectives pair up):
-    one with fewer runs extra ones on a zero-weight pad sample of 1 + 1 tokens."""
-    owner = trainer_ranks(len(samples), cfg)  # Part 2: rank r trains its r::world() share of a mini-batch
-    size = len(samples) // cfg.num_mini_batches
-    minis, plan = [], []
-    for m in range(cfg.num_mini_batches):
-        mini = samples[m * size:(m + 1) * size]
-        shares = [[s for s, t in zip(mini, owner[m * size:]) if t == r] for r in range(world())]
-        if cfg.micro_batch_tokens:
-            cuts = [pack_by_tokens(share, cfg.micro_batch_tokens) for share in shares]
-        else:
-            step = cfg.micro_batch_size
-            cuts = [[share[j:j + step] for j in range(0, len(share), step)] for share in shares]
-        pad = {"prompt_ids": [0], "response_ids": [0], "vllm_logp": [0.0], "old_logp": torch.zeros(1),
-               "len": 1, "truncated": False, "adv": 0.0, "dummy": True}
-        mine = cuts[rank()] + [[dict(pad)] for _ in range(max(map(len, cuts)) - len(cuts[rank()]))]
-        minis.append(mini)
-        plan.append(mine)
-    return minis, plan
-
-
-def old_logprobs(model, plan, cfg, pad_id, device):
-    """π_θold, recomputed by the trainer before any update. Not for the first mini-batch: its own
-    forward pass, before the first optimizer step, gives them (policy_gradient, first=True)."""
-    with torch.no_grad():
-        for micros in plan[1:]:
-            for mb in micros:
-                batch = collate(mb, pad_id, device, packs_one_row(cfg))
-                lp, _ = model.forward_logprobs(batch, cfg.temperature, cfg.logprob_chunk)
-                for s, row in zip(mb, lp):
-                    s["old_logp"] = row[:len(s["response_ids"])].cpu()
-
-
 def loss_normaliser(mini, cfg):
-    """Which samples of a mini-batch are trained on, and what their loss is divided by, for every
-    variant, decided here once over ALL of the mini-batch (every micro-batch and rank), so that the
-    micro-batch losses add up exactly to the mini-batch's. Returns (per_sample, n) for policy_loss."""
-    for s in mini:  # DAPO (overlong filtering, Sec. 3.4): a truncated sample teaches nothing
-        s["trained"] = not (cfg.overlong_filtering and s["truncated"])
+    """How the token losses of a mini-batch are averaged, for every --loss, decided here once over ALL of
+    the mini-batch (every micro-batch and rank), so that the micro-batch losses add up exactly."""
     trained = [s for s in mini if s["trained"]]
     if cfg.loss == "dr_grpo":  # Dr. GRPO: a constant, L_max x samples: no length bias either way
-        return False, cfg.max_response_len * len(mini)
-    if cfg.loss == "gspo" or not cfg.token_level_loss:  # GSPO, GRPO: the mean of the per-sample means
-        return True, len(trained)
-    return False, sum(s["len"] for s in trained)  # DAPO (token-level loss, Eq. 12): all tokens
+        return Normaliser(per_sample=False, n=cfg.max_response_len * len(mini))
+    if cfg.loss in ("gspo", "sapo") or not cfg.token_level_loss:  # GSPO, SAPO (as their papers), GRPO
+        return Normaliser(per_sample=True, n=len(trained))
+    return Normaliser(per_sample=False, n=sum(s["len"] for s in trained))  # DAPO (Eq. 12): all tokens
 
 
-# What policy_gradient sums per rank: trained tokens, the loss, then token means (times tokens)
-STATS = ("tokens", "loss", "clip/low_frac", "clip/high_frac", "approx_kl", "entropy", "tis/weight_mean",
-         "tis/clipped_frac")
-
-
-def policy_gradient(model, mini, micros, cfg, pad_id, device, first=False):
-    """Accumulate the gradient of Eq. 12 for one mini-batch (`mini`: all ranks' samples; `micros`:
-    this rank's). Returns (local sums of STATS, the mini-batch's trained-token count)."""
+def policy_gradient(model, mini, micros, cfg, pad_id, device, entropy_floor=None):
+    """Accumulate the gradient of Eq. 12 for one mini-batch (`mini`: all ranks' samples; `micros`: this
+    rank's). Returns (this rank's sums of the statistics, by name; the mini-batch's trained tokens)."""
     norm = loss_normaliser(mini, cfg)
-    sums = torch.zeros(len(STATS), dtype=torch.float64)
+    sums = {}
     for mb in micros:
-        b = collate(mb, pad_id, device, packs_one_row(cfg))
-        mask = b["mask"] * torch.tensor([float(s.get("trained", False)) for s in mb], device=device)[:, None]
-        logp, ent = model.forward_logprobs(b, cfg.temperature, cfg.logprob_chunk)
-        if first:  # the policy is still π_θold
-            for s, row in zip(mb, logp.detach()):
-                s["old_logp"] = row[:len(s["response_ids"])].cpu()
-        old = pad_sequence([s["old_logp"] for s in mb], batch_first=True).to(device)  # (B, R)
-        tis, st = None, {}
-        if cfg.tis_cap:  # correct for vLLM's sampling distribution (off by default: the paper's objective)
-            rollout = pad_sequence([torch.tensor(s["vllm_logp"]) for s in mb], batch_first=True).to(device)
-            tis, st = tis_weights(old, rollout, mask, cfg.tis_cap)
+        batch = collate(mb, pad_id, device, packs_one_row(cfg))  # Part 2: the sequences, packed in rows
+        logp, ent = model.forward_logprobs(batch, cfg.temperature, cfg.logprob_chunk)  # Part 2: (B, R) each
+        old = old_logp_of(mb, logp)  # Part 2: π_θold (B, R); the first mini-batch's is this pass, detached
+        mask = batch["mask"] * torch.tensor([float(s["trained"]) for s in mb], device=device)[:, None]
         adv = torch.tensor([s["adv"] for s in mb], device=device)
-        loss, clip_st = policy_loss(logp, old, adv, mask, cfg, norm, tis)
+        rows = lambda key: pad_sequence([torch.as_tensor(s[key]) for s in mb], batch_first=True).to(device)  # noqa
+        factors = []  # optional per-token factors, all off by default (the paper's objective)
+        if cfg.tis_cap:  # correct for vLLM's sampling distribution
+            factors.append(tis_weights(old, rows("vllm_logp"), mask, cfg.tis_cap, cfg.tis_mode, cfg.tis_min))
+        if cfg.off_policy_mask:  # drop far off-policy negative samples
+            factors.append(off_policy_mask(logp, rows("vllm_logp"), adv[:, None], mask, cfg.off_policy_mask))
+        if entropy_floor is not None:  # only the mini-batch's top-ρ entropy tokens (π_θold's entropies)
+            chosen = (rows("old_entropy") >= entropy_floor).float()
+            factors.append((chosen, {"entropy/selected_frac": (chosen * mask).sum() / mask.sum().clamp(min=1)}))
+        weight = math.prod(f for f, _ in factors) if factors else None
+        st = {k: v for _, f_stats in factors for k, v in f_stats.items()}
+        ref = rows("ref_logp") if cfg.kl_coef else None
+        loss, loss_stats = policy_loss(logp, old, adv, mask, cfg, norm, weight, ref)
         (loss * world()).backward()  # PLUMBING: FSDP2 averages gradients over ranks; Eq. 12 wants the sum
         n = mask.sum().item()
-        st.update(clip_st, entropy=(ent * mask).sum() / max(n, 1.0))
-        means = [float(st.get(k, 0.0)) * n for k in STATS[2:]]
-        sums += torch.tensor([n, loss.item()] + means, dtype=torch.float64)
+        st.update(loss_stats, entropy=(ent * mask).sum() / max(n, 1.0))
+        add_stats(sums, st, n, float(sum(s["trained"] for s in mb)), loss.item())  # Part 2: sums, by name
     return sums, sum(s["len"] for s in mini if s["trained"])
 
 
 def update_policy(run, samples):
-    """μ = num_mini_batches AdamW steps on the batch (each sample carries "adv"). A mini-batch with
-    a non-finite loss or gradient norm on any rank, or no trainable token, steps no optimizer."""
+    """μ = num_mini_batches AdamW steps on the batch (each sample carries "adv" and "trained"). A mini-
+    batch with a non-finite loss or gradient norm on any rank, or no trained token, steps no optimizer."""
     cfg = run.cfg
-    minis, plan = micro_batches(samples, cfg)
-    sums, grad_norms, skipped = torch.zeros(len(STATS), dtype=torch.float64), [], 0
+    minis, plan = micro_batches(samples, cfg)  # Part 2: each mini-batch, and this rank's micro-batches of it
+    totals, grad_norms, skipped = None, [], 0
     with tf32_head(run.device):  # Part 2: on CUDA, the fp32 head as a TF32 GEMM (an exact forward)
-        old_logprobs(run.model, plan, cfg, run.pad_id, run.device)
-        for m, (mini, micros) in enumerate(zip(minis, plan)):
+        old_logprobs(run, plan)  # Part 2: π_θold before any update (and π_ref, π_θold's entropies)
+        for mini, micros in zip(minis, plan):
+            rho = cfg.top_entropy_quantile  # <1: the threshold over the whole mini-batch (all_entropies, Part 2)
+            floor = entropy_threshold(all_entropies(micros), rho) if rho < 1 else None
             run.opt.zero_grad(set_to_none=True)
-            local, tokens = policy_gradient(run.model, mini, micros, cfg, run.pad_id, run.device, m == 0)
-            norm = clip_gradients(run, local[1].item())  # Part 2: None if any rank saw NaN/inf
+            sums, tokens = policy_gradient(run.model, mini, micros, cfg, run.pad_id, run.device, floor)
+            totals = totals or dict.fromkeys(sums, 0.0)
+            norm = clip_gradients(run, sums["loss"])  # Part 2: None if any rank saw NaN/inf
             if norm is None:  # never step on it
                 skipped += 1
                 continue
             if tokens == 0:  # every token masked (e.g. all truncated): no momentum or decay drift
                 continue
             run.opt.step()
-            sums += local
+            totals = {k: totals[k] + v for k, v in sums.items()}
             grad_norms.append(norm)
     run.opt.zero_grad(set_to_none=True)
-    torch.distributed.all_reduce(sums)
-    stats = {k: sums[i].item() / max(sums[0].item(), 1.0) for i, k in enumerate(STATS) if i >= 2}
-    if not cfg.tis_cap:
-        del stats["tis/weight_mean"], stats["tis/clipped_frac"]
-    micro = [mb for micros in plan for mb in micros]
-    padding = torch.tensor(sum(1 for mb in micro if mb[0].get("dummy")))
-    torch.distributed.all_reduce(padding)
-    return {"loss": sums[1].item() / max(len(grad_norms), 1), **stats,
-            "grad_norm": sum(grad_norms) / max(len(grad_norms), 1), "nonfinite/skipped": skipped,
-            "nonfinite/streak": run.state["nonfinite_streak"], "update/padding_micro_batches": padding.item(),
-            **sync_diff_stats([s for mb in micro for s in mb if not s.get("dummy")])}
+    return update_metrics(run, totals, grad_norms, skipped, plan)  # Part 2: over every rank, by name
 
 
 # -----------------------------------------------------------------------------------------
@@ -574,26 +540,6 @@ def update_policy(run, samples):
 def pass_at_k(n, c, k):
     """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k)."""
     return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def majority_correct(answers, truth):
-    """maj@k: 1.0 if the most common answer is right. Answers vote by equivalence class ("1/2" and
-    "0.5" are one answer), not as raw strings; None never votes; a tie goes to the first seen."""
-    import reward
-    classes = []  # [representative, votes]
-    for a in answers:
-        if a is None:
-            continue
-        for c in classes:
-            if reward.is_equivalent(a, c[0]):
-                c[1] += 1
-                break
-        else:
-            classes.append([a, 1])
-    if not classes:
-        return 0.0
-    top = max(classes, key=lambda c: c[1])  # max() keeps the first of equal counts
-    return float(reward.is_equivalent(top[0], truth))
 
 
 def evaluate(run, tag):
@@ -609,49 +555,60 @@ def evaluate(run, tag):
         c = sum(s["correct"] for s in g)
         avg.append(c / k)
         pas.append(pass_at_k(k, c, k))
-        maj.append(majority_correct([s["answer"] for s in g], rows[i]["answer"]))
+        maj.append(reward.majority_correct([s["answer"] for s in g], rows[i]["answer"], cfg.reward_timeout,
+                                           cfg.reward_workers))  # votes by equivalence class, time-bounded
     n = len(idx)
-    out = {f"eval/avg@{k}": sum(avg) / n, f"eval/pass@{k}": sum(pas) / n, f"eval/maj@{k}": sum(maj) / n}
-    for level in sorted({rows[i]["level"] for i in idx if "level" in rows[i]}):  # the carry task's difficulty
-        mine = [a for i, a in zip(idx, avg) if rows[i].get("level") == level]
-        out[f"eval/avg@{k}/d{level}"] = sum(mine) / len(mine)
+    out = {f"eval/avg@{k}": sum(avg) / n, f"eval/pass@{k}": sum(pas) / n, f"eval/maj@{k}": sum(maj) / n,
+           **by_level([rows[i] for i in idx], avg, k)}  # Part 2: the carry task's difficulties
     print0(f"eval ({tag}): " + "  ".join(f"{name} {v:.3f}" for name, v in out.items()))
     return out
 
 
 # =========================================================================================
-# Part 2: the plumbing (FSDP2, vLLM, files, checks, Ctrl-C). DAPO never changes below this line.
+# Part 2: the plumbing (packing, the fp32 head, FSDP2, vLLM, files, checks, Ctrl-C). DAPO never
+# changes below this line.
 # =========================================================================================
 # Flags and errors
 
 def presets(cfg):
     """The presets that apply, in order, as (name, settings): the built-in task's on the built-in model
-    (none given, or one that tools/demo_model.py built: its config says so), then the --loss variant's."""
+    (none given, or one that lib/demo_model.py built: its config says so), then the --loss variant's."""
     out = []
     config = os.path.join(os.path.expanduser(cfg.model), "config.json")
     if not cfg.model or (os.path.isfile(config) and "dapo_demo_task" in json.load(open(config))):
         out.append((f"--task {cfg.task}", CARRY if cfg.task == "carry" else DEMO))
-    return out + ([(f"--loss {cfg.loss}", LOSSES[cfg.loss])] if LOSSES.get(cfg.loss) else [])
+    preset = LOSSES.get(cfg.loss, {}).get("preset")
+    return out + ([(f"--loss {cfg.loss}", preset)] if preset else [])
+
+
+def field_helps(cls=Config):
+    """Each field's comment (its --help), with the lines below it that start with `#  ` (two spaces)."""
+    import inspect
+    source = "".join(inspect.getsource(c) for c in cls.__mro__ if dataclasses.is_dataclass(c))
+    helps = {}
+    for name, first, more in re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)\n((?:[ \t]+#  .*\n)*)", source, re.M):
+        helps[name] = " ".join([first] + re.findall(r"#\s*(.*)", more))
+    return helps
 
 
 def parse_config(argv=None, cls=Config):
     """Flags generated from Config (or a subclass: tools/plan.py's); a field's comment is its help,
     followed by the values the presets give it. A flag given on the command line beats every preset."""
     import argparse
-    import inspect
-    source = "".join(inspect.getsource(c) for c in cls.__mro__ if dataclasses.is_dataclass(c))
-    helps = {}  # a field's comment, and the lines below it that start with `#  ` (two spaces)
-    for name, first, more in re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)\n((?:[ \t]+#  .*\n)*)", source, re.M):
-        helps[name] = " ".join([first] + re.findall(r"#\s*(.*)", more))
-    named = {"--task add": DEMO, "--task carry": CARRY, **{f"--loss {k}": v for k, v in LOSSES.items()}}
+    helps = field_helps(cls)
+    named = {"--task add": DEMO, "--task carry": CARRY,
+             **{f"--loss {k}": v.get("preset", {}) for k, v in LOSSES.items()}}
     p = argparse.ArgumentParser(description=sys.modules[cls.__module__].__doc__.strip().split("\n\n")[0])
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         set_by = "".join(f"; {name}: {p[f.name]!r}" for name, p in named.items() if f.name in p)
         if f.name == "loss":
-            set_by = "".join(f"; {k} sets {', '.join(f'{n}={v}' for n, v in p.items()) or 'nothing'}"
-                             for k, p in LOSSES.items())
-        help = f"{helps.get(f.name, '')} (default: {f.default!r}{set_by})".replace("%", "%%")
+            set_by = "".join(f"; {k} sets {', '.join(f'{n}={v}' for n, v in e.get('preset', {}).items()) or 'nothing'}"
+                             for k, e in LOSSES.items())
+        ignored = [k for k, e in LOSSES.items() if f.name in e.get("ignores", ())]
+        help = f"{helps.get(f.name, '')} (default: {f.default!r}{set_by})" + (
+            f" Ignored by --loss {', '.join(ignored)}." if ignored else "")
+        help = help.replace("%", "%%")
         if isinstance(f.default, bool):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help)
         else:
@@ -663,6 +620,25 @@ def parse_config(argv=None, cls=Config):
             if k not in given:
                 setattr(cfg, k, v)
     return cfg
+
+
+def too_few_groups(kept, seen, batches, cfg):
+    """collect_batch's error: dynamic sampling ran out of generation batches, or could not fill the
+    batch with those left even at twice the keep rate so far."""
+    n = torch.tensor([s["correct"] for g in seen for s in g]).view(-1, cfg.group_size).sum(1)
+    n_all, n_none = int((n == cfg.group_size).sum()), int((n == 0).sum())
+    acc = n.sum().item() / (len(seen) * cfg.group_size)
+    left = cfg.max_gen_batches - batches
+    easy = n_all > n_none
+    early = (f", and the {left} left of --max-gen-batches {cfg.max_gen_batches} could not fill it even at twice "
+             f"this keep rate") if left else ""
+    return DapoError(
+        f"dynamic sampling kept only {kept} of {cfg.prompts_per_step} groups after {batches} generation "
+        f"batch{'es' if batches > 1 else ''} "
+        f"({len(seen)} groups: {n_all} all correct, {n_none} all wrong; accuracy {acc:.1%}){early}. The data is "
+        f"too {'easy' if easy else 'hard'} for this model, or the group size G={cfg.group_size} is too small: use "
+        f"{'harder' if easy else 'easier'} data, pass --no-dynamic-sampling (to learn the answer format first), "
+        f"or raise --group-size, --gen-batch-size or --max-gen-batches")
 
 
 # -----------------------------------------------------------------------------------------
@@ -798,37 +774,8 @@ def send_to_trainers(samples, cfg, meta_bytes):
     return got.item()
 
 
-def clip_gradients(run, loss):
-    """Clip the gradients to --grad-clip (0: not at all); their global norm before clipping, or None
-    where it or the loss is NaN/inf on any rank: then no rank steps (AdamW would write it into every
-    weight), and --max-nonfinite such steps in a row stop the run."""
-    max_norm = run.cfg.grad_clip if run.cfg.grad_clip > 0 else float("inf")
-    norm = float(_full(torch.nn.utils.clip_grad_norm_(run.model.parameters(), max_norm)))
-    finite = torch.tensor(float(math.isfinite(loss) and math.isfinite(norm)))
-    torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
-    streak = 0 if finite.item() else run.state.get("nonfinite_streak", 0) + 1
-    run.state["nonfinite_streak"] = streak
-    if streak >= run.cfg.max_nonfinite:
-        raise DapoError(f"{streak} optimizer steps in a row had a non-finite loss or gradient norm and were "
-                        f"skipped (the weights are still finite): lower --lr, check the data and the reward, "
-                        f"or raise --max-nonfinite")
-    return norm if finite.item() else None
-
-
-def too_few_groups(kept, seen, cfg):
-    """collect_batch's error: dynamic sampling ran out of generation batches."""
-    n = torch.tensor([s["correct"] for g in seen for s in g]).view(-1, cfg.group_size).sum(1)
-    n_all, n_none = int((n == cfg.group_size).sum()), int((n == 0).sum())
-    return DapoError(
-        f"dynamic sampling kept only {kept} of {cfg.prompts_per_step} groups after {cfg.max_gen_batches} "
-        f"generation batches ({len(seen)} groups: {n_all} all correct, {n_none} all wrong). The data is too "
-        f"{'easy' if n_all > n_none else 'hard'} for this model, or the group size G={cfg.group_size} is too "
-        f"small: change the data or model, raise --group-size, --gen-batch-size or --max-gen-batches, "
-        f"or pass --no-dynamic-sampling")
-
-
 # -----------------------------------------------------------------------------------------
-# The engine and the weight sync
+# The engine: start-up, generation and the weight sync
 
 def start_engine(cfg, path, device, dummy_weights=False):
     """vLLM inside this process: external_launcher reuses torchrun's process group, TP groups are
@@ -869,6 +816,26 @@ def seeded_engine(llm, *key):
             yield
     finally:
         np.random.set_state(state)
+
+
+def generate(run, prompts, n, temperature, top_p, key):
+    """n responses to each prompt (token ids) from the in-process vLLM, under one seed for the call
+    (seeded_engine). Flat log-probs and no detokenizing in vLLM, so no Python object per generated token;
+    the text is decoded once here."""
+    from vllm import SamplingParams
+    cfg = run.cfg
+    params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=cfg.max_response_len,
+                            logprobs=0, flat_logprobs=True, detokenize=False)
+    with seeded_engine(run.llm, *key, "dp", rank() // cfg.tp_size):
+        outs = run.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False) if prompts else []
+    local = []
+    for out in outs:
+        for o in out.outputs:
+            ids = list(o.token_ids)
+            local.append({"response_ids": ids, "vllm_logp": list(o.logprobs.logprobs),
+                          "truncated": o.finish_reason == "length", "len": len(ids),
+                          "text": run.tokenizer.decode(ids, skip_special_tokens=True)})
+    return local
 
 
 def _reload_and_list_missing(worker, weights_iterator):
@@ -921,16 +888,238 @@ def push_weights(run):
 
 
 def sync_diff_stats(samples):
-    """|vLLM's log-prob - the trainer's π_θold| over the tokens this rank trains on: mean, p99, max.
-    Equal weights give ~1e-6 on CPU fp32, a broken weight sync nats. p99: the largest rank's."""
-    d = torch.cat([(torch.tensor(s["vllm_logp"]) - s["old_logp"]).abs() for s in samples] or [torch.zeros(1)])
+    """|vLLM's log-prob - the trainer's π_θold| over the tokens this rank trains on: mean, p99 (the
+    largest rank's), max. Equal weights give ~1e-6 on CPU fp32, a broken weight sync nats. And the
+    mismatch itself, KL(π_rollout || π_θold): k1 = log π_rollout - log π_θold, k3 = ρ - 1 - log ρ with
+    ρ = π_θold / π_rollout, means over the tokens (the rollout correction flags act on ρ)."""
+    diff = torch.cat([torch.tensor(s["vllm_logp"]) - s["old_logp"] for s in samples] or [torch.zeros(1)])
+    d = diff.abs()
     p99 = torch.quantile(d[-2**24:].double(), 0.99).item()  # quantile() takes at most 2^24 values
-    total = torch.tensor([d.sum().item(), d.numel()], dtype=torch.float64)
+    k3 = torch.exp(-diff.double()) - 1 + diff.double()
+    total = torch.tensor([d.sum().item(), d.numel(), diff.double().sum().item(), k3.sum().item()],
+                         dtype=torch.float64)
     worst = torch.tensor([p99, d.max().item()], dtype=torch.float64)
     torch.distributed.all_reduce(total)
     torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX)
-    return {"sync/logp_diff_mean": total[0].item() / total[1].item(), "sync/logp_diff_p99": worst[0].item(),
-            "sync/logp_diff_max": worst[1].item()}
+    n = total[1].item()
+    return {"sync/logp_diff_mean": total[0].item() / n, "sync/logp_diff_p99": worst[0].item(),
+            "sync/logp_diff_max": worst[1].item(), "mismatch/kl_k1": total[2].item() / n,
+            "mismatch/kl_k3": total[3].item() / n}
+
+
+# -----------------------------------------------------------------------------------------
+# The update's machinery: packed rows, the fp32 head, π_θold, lock-step micro-batches, statistics
+
+def first_fit_decreasing(lengths, cap):
+    """Bin packing: index lists of items (longest first) whose lengths add up to at most cap;
+    an item longer than cap gets a bin of its own."""
+    bins, room = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for b, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(cap - lengths[i])
+    return bins
+
+
+def collate(samples, pad_id, device, one_row=False):
+    """Packed rows, no compute on padding: sequences (prompt + response) bin-packed into rows as long as
+    the longest (one_row: all in one, packs_one_row), position_ids restarting at 0 per sequence: from them
+    transformers reads the boundaries, and attention never crosses sequences. "index": the positions
+    predicting the response tokens "targets", "lengths" of them; "mask" (B, R): every response token,
+    EOS included (never derived from pad ids)."""
+    lens = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
+    L = sum(lens) if one_row else max(lens)
+    rows = first_fit_decreasing(lens, L)
+    ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
+    pos = torch.zeros_like(ids)
+    start = [0] * len(samples)  # flat position of the hidden state predicting sample i's first response token
+    for r, row in enumerate(rows):
+        at = 0
+        for i in row:
+            s = samples[i]
+            ids[r, at:at + lens[i]] = torch.tensor(list(s["prompt_ids"]) + list(s["response_ids"]))
+            pos[r, at:at + lens[i]] = torch.arange(lens[i])
+            start[i] = r * L + at + len(s["prompt_ids"]) - 1
+            at += lens[i]
+        pos[r, at:] = torch.arange(L - at)  # the row's tail: a pad sequence of its own
+    n = [len(s["response_ids"]) for s in samples]
+    index = torch.cat([torch.arange(k) + st for k, st in zip(n, start)])
+    mask = (torch.arange(max(n)) < torch.tensor(n)[:, None]).float()
+    targets = torch.cat([torch.tensor(list(s["response_ids"]), dtype=torch.long) for s in samples])
+    return {"input_ids": ids.to(device), "position_ids": pos.to(device), "index": index.to(device),
+            "targets": targets.to(device), "lengths": n, "mask": mask.to(device)}
+
+
+def pack_by_tokens(samples, budget):
+    """Micro-batches of at most `budget` real tokens (prompts + responses): packed rows compute
+    nothing else but row tails."""
+    bins = first_fit_decreasing([len(s["prompt_ids"]) + s["len"] for s in samples], budget)
+    return [[samples[i] for i in b] for b in bins]
+
+
+def micro_batches(samples, cfg):
+    """The μ mini-batches (all ranks' samples; others' are stubs) and this rank's share of each as
+    micro-batches. Every rank runs the same number of forward passes (FSDP's collectives pair up):
+    one with fewer runs extra ones on a zero-weight pad sample of 1 + 1 tokens."""
+    owner = trainer_ranks(len(samples), cfg)  # rank r trains its r::world() share of a mini-batch
+    size = len(samples) // cfg.num_mini_batches
+    minis, plan = [], []
+    for m in range(cfg.num_mini_batches):
+        mini = samples[m * size:(m + 1) * size]
+        shares = [[s for s, t in zip(mini, owner[m * size:]) if t == r] for r in range(world())]
+        if cfg.micro_batch_tokens:
+            cuts = [pack_by_tokens(share, cfg.micro_batch_tokens) for share in shares]
+        else:
+            step = cfg.micro_batch_size
+            cuts = [[share[j:j + step] for j in range(0, len(share), step)] for share in shares]
+        zero = torch.zeros(1)
+        pad = {"prompt_ids": [0], "response_ids": [0], "vllm_logp": [0.0], "old_logp": zero, "ref_logp": zero,
+               "old_entropy": zero, "len": 1, "truncated": False, "trained": False, "adv": 0.0, "dummy": True}
+        mine = cuts[rank()] + [[dict(pad)] for _ in range(max(map(len, cuts)) - len(cuts[rank()]))]
+        minis.append(mini)
+        plan.append(mine)
+    return minis, plan
+
+
+def forward_logprobs(model, batch, temperature, chunk):
+    """(B, R) log-probs and entropies of the response tokens: the decoder on packed rows, then the
+    fused fp32 head on the response-predicting positions only. An FSDP forward method (load_policy)."""
+    # use_cache=False: with a KV cache transformers skips packed-row detection, and attention
+    # would silently leak across the sequences of a row
+    hidden = model.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                         attention_mask=None, use_cache=False).last_hidden_state
+    hidden = hidden.flatten(0, 1)[batch["index"]].unsqueeze(0)  # (1, N, h): the N response tokens
+    lp, ent = token_logprobs(hidden, model.lm_head.weight, batch["targets"].unsqueeze(0), temperature, chunk)
+    # back to (B, R), zeros beyond each response
+    return (pad_sequence(lp[0].split(batch["lengths"]), batch_first=True),
+            pad_sequence(ent[0].split(batch["lengths"]), batch_first=True))
+
+
+def _chunk_logprobs(hidden, weight, targets, temperature):
+    # the head in fp32, as vLLM runs it (head_dtype="float32"): bf16 logits near 20 are 0.125
+    # apart, far coarser than the policy changes the ratio measures
+    x = (hidden.float() @ weight.float().T) / temperature
+    lse = torch.logsumexp(x, -1)
+    logp = x.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    with torch.no_grad():  # entropy is monitored, not trained on
+        ent = lse - (torch.softmax(x, -1) * x).sum(-1)
+    return logp, ent
+
+
+def token_logprobs(hidden, weight, targets, temperature=1.0, chunk=1024):
+    """log softmax(hidden @ weight.T / T)[targets] and the entropy, (B, T) each, with fp32 logits
+    for about `chunk` tokens at a time, recomputed in backward: at 20k tokens and a 152k vocabulary
+    a whole (T, V) fp32 logits tensor would take ~12 GB per sequence."""
+    from torch.utils.checkpoint import checkpoint
+    lps, ents = [], []
+    step = max(1, chunk // hidden.shape[0])  # `chunk` counts tokens over all B rows
+    for s in range(0, hidden.shape[1], step):
+        hs, tg = hidden[:, s:s + step], targets[:, s:s + step]
+        if torch.is_grad_enabled() and (hs.requires_grad or weight.requires_grad):
+            lp, ent = checkpoint(_chunk_logprobs, hs, weight, tg, temperature, use_reentrant=False)
+        else:
+            lp, ent = _chunk_logprobs(hs, weight, tg, temperature)
+        lps.append(lp)
+        ents.append(ent)
+    return torch.cat(lps, 1), torch.cat(ents, 1)
+
+
+def old_logprobs(run, plan):
+    """π_θold of each response token, recomputed by the trainer before any update; with --kl-coef
+    π_ref too, and with --top-entropy-quantile π_θold's entropy. The first mini-batch's π_θold needs no
+    pass of its own: its forward pass in policy_gradient, before the first optimizer step, gives it
+    (old_logp_of), unless its entropies are needed before that. π_ref's pass covers every mini-batch."""
+    cfg = run.cfg
+    policy_from = 0 if cfg.top_entropy_quantile < 1 else 1
+    with torch.no_grad():
+        for m, micros in enumerate(plan):
+            for mb in micros if m >= policy_from or cfg.kl_coef else []:
+                batch = collate(mb, run.pad_id, run.device, packs_one_row(cfg))
+                if m >= policy_from:
+                    lp, ent = run.model.forward_logprobs(batch, cfg.temperature, cfg.logprob_chunk)
+                    for s, row, e in zip(mb, lp, ent):
+                        s["old_logp"] = row[:len(s["response_ids"])].cpu()
+                        if cfg.top_entropy_quantile < 1:
+                            s["old_entropy"] = e[:len(s["response_ids"])].cpu()
+                if cfg.kl_coef:
+                    lp, _ = run.ref.forward_logprobs(batch, cfg.temperature, cfg.logprob_chunk)
+                    for s, row in zip(mb, lp):
+                        s["ref_logp"] = row[:len(s["response_ids"])].cpu()
+    if cfg.kl_coef:  # FSDP2 keeps a root module's weights gathered after a forward with no backward
+        run.ref.reshard()
+
+
+def old_logp_of(mb, logp):
+    """π_θold of a micro-batch, (B, R) on logp's device. A sample with none yet is in the first
+    mini-batch, whose forward pass comes before any optimizer step: its log-probs, detached, are π_θold."""
+    for s, row in zip(mb, logp.detach()):
+        if "old_logp" not in s:
+            s["old_logp"] = row[:len(s["response_ids"])].cpu()
+    return pad_sequence([s["old_logp"] for s in mb], batch_first=True).to(logp.device)
+
+
+def all_entropies(micros):
+    """π_θold's entropies of the trained tokens of a mini-batch, from every rank (all_gather)."""
+    mine = [s["old_entropy"] for mb in micros for s in mb if s["trained"]]
+    return torch.cat([torch.cat(part) if part else torch.zeros(0) for part in all_gather_objects(mine)[0]])
+
+
+def add_stats(sums, stats, tokens, sequences, loss):
+    """Add one micro-batch's statistics, means over its trained tokens (or, *_seq_frac, its trained
+    sequences), to sums, by name, as totals that update_metrics divides again over the mini-batches."""
+    for k, v in stats.items():
+        sums[k] = sums.get(k, 0.0) + float(v) * (sequences if k.endswith("_seq_frac") else tokens)
+    for k, v in (("tokens", tokens), ("sequences", sequences), ("loss", loss)):
+        sums[k] = sums.get(k, 0.0) + v
+
+
+def by_level(rows, avg, k):
+    """avg@k per level of difficulty, for rows that carry one (the carry task's number of columns)."""
+    out = {}
+    for level in sorted({r["level"] for r in rows if "level" in r}):
+        mine = [a for r, a in zip(rows, avg) if r.get("level") == level]
+        out[f"eval/avg@{k}/d{level}"] = sum(mine) / len(mine)
+    return out
+
+
+def update_metrics(run, totals, grad_norms, skipped, plan):
+    """update_policy's metrics: the statistics' sums over every rank, divided by the trained tokens (or,
+    *_seq_frac, sequences) of the stepped mini-batches; the loss per step; the sync gap; the padding."""
+    keys = sorted(totals)
+    summed = torch.tensor([totals[k] for k in keys], dtype=torch.float64)
+    torch.distributed.all_reduce(summed)
+    total = dict(zip(keys, summed.tolist()))
+    stats = {k: v / max(total["sequences" if k.endswith("_seq_frac") else "tokens"], 1.0)
+             for k, v in total.items() if k not in ("tokens", "sequences", "loss")}
+    micro = [mb for micros in plan for mb in micros]
+    padding = torch.tensor(sum(1 for mb in micro if mb[0].get("dummy")))
+    torch.distributed.all_reduce(padding)
+    return {"loss": total["loss"] / max(len(grad_norms), 1), **stats,
+            "grad_norm": sum(grad_norms) / max(len(grad_norms), 1), "nonfinite/skipped": skipped,
+            "nonfinite/streak": run.state["nonfinite_streak"], "update/padding_micro_batches": padding.item(),
+            **sync_diff_stats([s for mb in micro for s in mb if not s.get("dummy")])}
+
+
+def clip_gradients(run, loss):
+    """Clip the gradients to --grad-clip (0: not at all); their global norm before clipping, or None
+    where it or the loss is NaN/inf on any rank: then no rank steps (AdamW would write it into every
+    weight), and --max-nonfinite such steps in a row stop the run."""
+    max_norm = run.cfg.grad_clip if run.cfg.grad_clip > 0 else float("inf")
+    norm = float(_full(torch.nn.utils.clip_grad_norm_(run.model.parameters(), max_norm)))
+    finite = torch.tensor(float(math.isfinite(loss) and math.isfinite(norm)))
+    torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
+    streak = 0 if finite.item() else run.state.get("nonfinite_streak", 0) + 1
+    run.state["nonfinite_streak"] = streak
+    if streak >= run.cfg.max_nonfinite:
+        raise DapoError(f"{streak} optimizer steps in a row had a non-finite loss or gradient norm and were "
+                        f"skipped (the weights are still finite): lower --lr, check the data and the reward, "
+                        f"or raise --max-nonfinite")
+    return norm if finite.item() else None
 
 
 def attention(cfg):
@@ -995,29 +1184,31 @@ def load_hf_weights(model, path):
             del t, shard  # before the next one: one tensor at a time
 
 
-def load_policy(cfg, path, device, weights=True):
+def load_policy(cfg, path, device, weights=True, reference=False):
     """The trainable policy, sharded with FSDP2 (each decoder layer, then the root); on GPU fp32
     master weights, bf16 compute. Built on the meta device, so no rank ever holds the whole model.
-    weights=False leaves the parameters unset, for load_checkpoint to fill."""
+    weights=False leaves the parameters unset, for load_checkpoint to fill. reference: the frozen
+    reference of --kl-coef, sharded alike but stored in the compute dtype (it has no optimizer)."""
     from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard,
                                         register_fsdp_forward_method)
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
     if attention(cfg) == "flex_attention":  # compiled once per grad mode, mask kind and short/long length:
         torch._dynamo.config.recompile_limit = 64  # past torch's 8, flex would run unfused (a full (L, L)
         torch._dynamo.config.fail_on_recompile_limit_hit = True  # score matrix): fail loudly instead
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if reference and cuda else torch.float32
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32,
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype,
                                                  attn_implementation=attention(cfg))
     model.eval()  # as from_pretrained leaves it
     with contextlib.suppress(OSError):  # from_config alone drops generation_config.json (vLLM's stop set)
         model.generation_config = GenerationConfig.from_pretrained(path)
     model.config.use_cache = False
-    if cfg.grad_checkpointing:  # only each layer's input is kept; the rest is recomputed in backward
+    if cfg.grad_checkpointing and not reference:  # only each layer's input is kept; the rest is recomputed in backward
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()  # HF checkpoints only in train mode (Qwen2 has no dropout to switch on)
-    cuda = device.type == "cuda"
     offload = cfg.cpu_offload and cuda
-    bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else {}
+    bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda and not reference else {}
     kw = {"mp_policy": MixedPrecisionPolicy(**bf16),
           "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy()}
     for layer in model.model.layers:
@@ -1036,6 +1227,7 @@ def load_policy(cfg, path, device, weights=True):
             model._init_weights(m)  # recomputed as transformers does
     if weights:
         load_hf_weights(model, path)
+    model.requires_grad_(not reference)
     return model
 
 
@@ -1081,10 +1273,11 @@ def save_hf(model, tokenizer, path, dtype=torch.bfloat16, shard_gb=5.0):
 # Checkpoints, resume and run records
 
 # Fields that may change between a run and its resumption; any other difference is refused.
+
 RESUMABLE = {"steps", "out_dir", "resume", "eval_only", "eval_every", "eval_samples", "eval_temperature",
              "eval_top_p", "eval_max_prompts", "eval_data", "save_every", "keep_checkpoints", "log_samples",
              "wandb_project", "reward_timeout", "reward_workers", "cpu_kv_cache_gb", "gpu_memory_utilization",
-             "vllm_sleep", "save_dtype", "hf_shard_gb", "attn_impl", "max_sync_diff"}
+             "vllm_sleep", "save_dtype", "hf_shard_gb", "attn_impl", "max_sync_diff", "deterministic"}
 
 
 def _step_dirs(root):
@@ -1183,37 +1376,56 @@ def run_record(cfg, device):
 # -----------------------------------------------------------------------------------------
 # Checks of the config, the data and the model, before anything slow starts
 
-# Numeric fields with a range of their own; every other numeric field (one added later included) must be
-# >= 0, and its help says what 0 means.
-AT_LEAST = dict(prompts_per_step=1, group_size=2, gen_batch_size=1, max_gen_batches=1, max_prompt_len=1,
-                max_response_len=1, max_nonfinite=1, num_mini_batches=1, micro_batch_size=1, logprob_chunk=1,
-                tp_size=1, reward_workers=1, steps=1)
-POSITIVE = {"temperature", "top_p", "eps_low", "eps_high", "lr", "gpu_memory_utilization", "cpu_kv_cache_gb",
-            "reward_timeout", "collective_timeout_min", "eval_temperature", "eval_top_p", "hf_shard_gb"}
-AT_MOST_ONE = {"top_p", "eps_low", "gpu_memory_utilization", "eval_top_p", "demo_sft_target"}
-WHY = {"group_size": " (Eq. 9 needs a group)", "max_gen_batches": " (verl's 0 = no limit would generate "
-       "forever on data the model never solves: give a large number instead)"}
+TIS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
-def _out_of_range(name, value):
+def field_range(help):
+    """A numeric field's range, from the braces in its comment: {>= 1}, {> 0}, {(0, 1]} or {[0, 1]},
+    each optionally followed by ': why'. None: >= 0. Returns (low, low open?, high or None, spec, why)."""
+    m = re.search(r"\{([^{}:]*)(?::\s*([^{}]*))?\}", help)
+    if not m:
+        return 0.0, False, None, ">= 0", ""
+    spec, why = m.group(1).strip(), f" ({m.group(2).strip()})" if m.group(2) else ""
+    if spec.startswith(">"):
+        return float(spec.lstrip(">= ")), not spec.startswith(">="), None, spec, why
+    low, high = spec[1:-1].split(",")
+    return float(low), spec.startswith("("), float(high), spec, why
+
+
+def _out_of_range(flag, value, help):
     """Why a numeric field's value is refused, or None."""
-    low = AT_LEAST.get(name, 0)
-    if math.isfinite(value) and value >= low and not (name in POSITIVE and value <= 0) and not (
-            name in AT_MOST_ONE and value > 1):
+    low, open_low, high, spec, why = field_range(help)
+    if math.isfinite(value) and (value > low if open_low else value >= low) and (high is None or value <= high):
         return None
-    flag = "--" + name.replace("_", "-")
-    if name in AT_MOST_ONE:
-        return f"{flag} must lie in {'(' if name in POSITIVE else '['}0, 1] (got {value})"
-    if name in POSITIVE:
+    if high is not None:
+        return f"{flag} must lie in {spec} (got {value})"
+    if open_low and low == 0:
         return f"{flag} must be positive (got {value})"
-    return f"{flag} must be {f'at least {low}' if low else '>= 0'}{WHY.get(name, '')} (got {value})"
+    return f"{flag} must be {f'at least {low:g}' if low else '>= 0'}{why} (got {value})"
+
+
+def _ignored(cfg):
+    """The settings cfg.loss has no use for, given at other than their defaults: the shared flags its LOSSES
+    entry ignores, and another loss's own settings (the Config fields named after it)."""
+    default, ignores = type(cfg)(), LOSSES.get(cfg.loss, {}).get("ignores", ())
+    out = []
+    for f in dataclasses.fields(cfg):
+        value, owner = getattr(cfg, f.name), next((k for k in LOSSES if f.name.startswith(k + "_")), cfg.loss)
+        if (f.name in ignores or owner != cfg.loss) and value != getattr(default, f.name):
+            given = "--" + ("no-" if value is False else "") + f.name.replace("_", "-")
+            given += "" if isinstance(value, bool) else f" {value}"
+            out.append(f"{given} has no effect under --loss {cfg.loss}: drop it" +
+                       (f", or pass --loss {owner}" if owner != cfg.loss else ""))
+    return out
 
 
 def check_config(cfg):
     """Refuse, in one line naming each flag, its value and the range it must lie in, settings that cannot
-    run or would silently train wrongly: every numeric field finite and in range (AT_LEAST, POSITIVE, ...)."""
-    problems = [_out_of_range(f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
-                if type(getattr(cfg, f.name)) in (int, float)]
+    run or would silently train wrongly: every numeric field finite and in the range its comment gives
+    (field_range), no setting the chosen --loss ignores, and the rules below."""
+    helps = field_helps(type(cfg))
+    problems = [_out_of_range("--" + f.name.replace("_", "-"), getattr(cfg, f.name), helps.get(f.name, ""))
+                for f in dataclasses.fields(cfg) if type(getattr(cfg, f.name)) in (int, float)]
     ws = int(os.environ.get("WORLD_SIZE", "1"))
     rules = [
         (cfg.task not in ("add", "carry"), f"--task must be add or carry, not {cfg.task!r}"),
@@ -1227,8 +1439,13 @@ def check_config(cfg):
         (cfg.dual_clip < 0 or 0 < cfg.dual_clip <= 1,
          f"--dual-clip {cfg.dual_clip} would zero the gradient of every A < 0 token: give c > 1 (the "
          f"reference run used 10) or 0 for off"),
+        (cfg.tis_mode not in TIS_MODES, f"--tis-mode must be one of {', '.join(TIS_MODES)}, not {cfg.tis_mode!r}"),
         (cfg.tis_cap < 0 or 0 < cfg.tis_cap < 1,
-         f"--tis-cap must be 0 (off) or at least 1 (verl and TRL use 2), not {cfg.tis_cap}"),
+         f"--tis-cap must be 0 (off) or at least 1 (verl and TRL use 2 and 3), not {cfg.tis_cap}"),
+        (cfg.tis_min > 0 and not cfg.tis_cap, f"--tis-min {cfg.tis_min} needs --tis-cap: 0 turns rollout "
+                                              f"correction off"),
+        (cfg.tis_cap and cfg.tis_min >= cfg.tis_cap,
+         f"--tis-min {cfg.tis_min} must lie below --tis-cap {cfg.tis_cap}: no weight would be left in bounds"),
         (cfg.top_p != 1.0, f"--top-p {cfg.top_p} in training biases the importance ratio (the old log-probs "
                            f"ignore the truncation): use 1.0; --eval-top-p sets evaluation"),
     ]
@@ -1242,8 +1459,23 @@ def check_config(cfg):
              "--overlong-cache-len must lie between 0 and --max-response-len"),
         ]
     problems = [p for p in problems if p] + [message for broken, message in rules if broken]
+    if cfg.loss in LOSSES:
+        problems += _ignored(cfg)
     if problems:
         raise DapoError("; ".join(problems))
+
+
+def cpu_batch_note(cfg):
+    """One line for a CPU user whose --model runs with the 32B recipe's batch, or None."""
+    recipe = [getattr(Config, k) for k in ("prompts_per_step", "group_size", "max_response_len")]
+    if not cfg.model or torch.cuda.is_available() or [cfg.prompts_per_step, cfg.group_size,
+                                                      cfg.max_response_len] != recipe:
+        return None
+    n = cfg.prompts_per_step * cfg.group_size
+    return (f"note: no GPU, and the batch is the 32B recipe's: one step generates and trains {n:,} responses "
+            f"of up to {cfg.max_response_len:,} tokens ({n * cfg.max_response_len / 1e6:.0f}M tokens); on a CPU "
+            f"shrink it with --prompts-per-step, --group-size, --gen-batch-size, --max-response-len and "
+            f"--num-mini-batches (python dapo.py --help shows a set for a ~100M model on a laptop)")
 
 
 def encode_prompt(tokenizer, prompt):
@@ -1298,9 +1530,12 @@ def preflight(cfg):
     """Every check that can fail on the user's input, before anything slow starts. Returns the
     checkpoint to resume (or None), the run state to start from and the (train, eval) rows."""
     check_config(cfg)
+    note = cpu_batch_note(cfg)
+    if note:
+        print0(note)
     if cfg.model:
         check_model(cfg.model, cfg.max_prompt_len + cfg.max_response_len)
-    from tools import demo_model
+    from lib import demo_model
     if cfg.train_data:  # every row read and checked now: a second, where vLLM takes minutes
         train, held = load_data(cfg.train_data, cfg.dedup), []
     else:  # the built-in task and its held-out split
@@ -1330,7 +1565,7 @@ def preflight(cfg):
 def demo_model(cfg):
     """The built-in tiny model, warm-started (supervised, not DAPO) or taken from the cache of an
     identical earlier warm-start, by rank 0 into out_dir/base_model."""
-    from tools import demo_model as tiny
+    from lib import demo_model as tiny
     path = os.path.join(cfg.out_dir, "base_model")
     if rank() == 0:
         print0("built-in demo model: " + tiny.describe(*tiny.cached_build(path, cfg.task, cfg.seed,
@@ -1364,6 +1599,10 @@ def set_up(cfg):
     and the log files. Returns the run: everything the loop needs."""
     from transformers import AutoTokenizer
     ckpt, state, data = preflight(cfg)
+    if cfg.deterministic:  # before vLLM is imported: it reads the variable once, at import
+        os.environ["VLLM_BATCH_INVARIANT"] = "1"
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (CUDA)
+        torch.use_deterministic_algorithms(True)
     device = init_distributed(cfg.collective_timeout_min)
     applied = [f"{name} ({', '.join(f'{k}={v}' for k, v in p.items() if getattr(cfg, k) == v)})"
                for name, p in presets(cfg) if p]
@@ -1371,7 +1610,8 @@ def set_up(cfg):
     if ckpt:
         check_checkpoint(ckpt, cfg.eval_only)
     # On resume the config and tokenizer come from the checkpoint's export; the weights from its dcp/.
-    path = os.path.join(ckpt, "model") if ckpt else cfg.model or demo_model(cfg)
+    original = cfg.model or (demo_model(cfg) if not ckpt or cfg.kl_coef else None)
+    path = os.path.join(ckpt, "model") if ckpt else original
     tokenizer = AutoTokenizer.from_pretrained(path)
     train_rows, train_ids, eval_rows, eval_ids = prepare_data(cfg, tokenizer, *data)
     run = types.SimpleNamespace(cfg=cfg, ckpt=ckpt, state=state, path=path, device=device,
@@ -1383,6 +1623,8 @@ def set_up(cfg):
     random.seed(cfg.seed + rank())  # constructing LLM re-seeds the global RNGs; seed after it
     torch.manual_seed(cfg.seed)      # the same on every rank: identical initial replicas
     run.model = load_policy(cfg, path, device, weights=not ckpt)
+    if cfg.kl_coef:  # the initial policy, never a checkpoint's export: the reference stays where it began
+        run.ref = load_policy(cfg, original, device, reference=True)
     run.opt = torch.optim.AdamW(run.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     run.sampler = Sampler(len(train_rows), cfg.seed)
     if ckpt:
@@ -1440,7 +1682,7 @@ def log_step(run, step, m, every, samples, lr, ticks, evals):
             "step": step, "prompt": run.tokenizer.decode(s["prompt_ids"]),
             "response": run.tokenizer.decode(s["response_ids"], skip_special_tokens=True),
             "answer": run.train_rows[s["row"]]["answer"], "reward": s["reward"],
-            "correct": s["correct"]}) + "\n")
+            "correct": s["correct"], "truncated": s["truncated"]}) + "\n")
     for f in run.logs.values():
         f.flush()
     if cfg.wandb_project:

@@ -3,7 +3,7 @@ reward.py: the rule-based math reward of DAPO (paper Eq. 7), right, fast, and ne
 
     R(y, y*) = +1 if is_equivalent(extract_answer(y), y*) else -1
 
-Public names: extract_answer, is_equivalent, is_correct, compute_score, score_batch.
+Public names: extract_answer, is_equivalent, is_correct, compute_score, score_batch, majority_correct.
 
 Conventions (what a careful grader does; every one has a test in test_dapo.py)
 - Markers. A line holding `Answer:` (any case; also `Final Answer:`, `**Answer:**`) gives
@@ -682,10 +682,11 @@ def compute_score(response, ground_truth):
 # ----------------------------------------------------------------------------------------
 # Batch scoring with killable workers
 
-def _fast_verdict(response, ground_truth):
-    """True/False when decidable without sympy (linear-time string work), else None."""
+def _fast_verdict(response, ground_truth, extract=True):
+    """True/False when decidable without sympy (linear-time string work), else None. extract=False:
+    `response` is an answer already (is_equivalent's first argument)."""
     try:
-        pred = extract_answer(response)
+        pred = extract_answer(response) if extract else response
         if pred is None:
             return False
         return _equivalent(pred, ground_truth, allow_sympy=False)
@@ -778,15 +779,17 @@ def score_batch(responses, ground_truths, timeout=5.0, num_workers=4, fn="reward
     """Score many responses; the trainer's entry point.
 
     Returns (correct: list[bool], stats: dict with 'timeouts', 'errors', 'in_process').
-    Items decidable without sympy are scored here (default checker only); the rest run in
+    Items decidable without sympy are scored here (reward's own checkers); the rest run in
     `num_workers` worker processes, each item with a hard wall-clock limit of `timeout` s.
-    `fn` names a 'module:function(response, ground_truth) -> bool' to use instead.
+    `fn` names a 'module:function(response, ground_truth) -> bool' to use instead:
+    'reward:is_equivalent' compares answers already extracted.
     """
     assert len(responses) == len(ground_truths)
     correct = [False] * len(responses)
     todo = []
     for i, (r, g) in enumerate(zip(responses, ground_truths)):
-        v = _fast_verdict(r, g) if fn == "reward:is_correct" else None
+        fast = fn in ("reward:is_correct", "reward:is_equivalent")
+        v = _fast_verdict(r, g, extract=fn == "reward:is_correct") if fast else None
         if v is None:
             todo.append(i)
         else:
@@ -825,6 +828,30 @@ def score_batch(responses, ground_truths, timeout=5.0, num_workers=4, fn="reward
                 stats["timeouts"] += 1
                 workers[workers.index(w)] = _Worker(fn, _HERE).wait_ready()
     return correct, stats
+
+
+def majority_correct(answers, truth, timeout=5.0, num_workers=2):
+    """maj@k (the DAPO paper's cons@k): 1.0 if the most common answer equals the truth. Answers vote by
+    equivalence class ("1/2" and "0.5" are one answer), not as raw strings; None never votes; a tie
+    goes to the first seen. Every comparison runs through score_batch, under its time limit, as the
+    training reward does (an overrun counts as different)."""
+    votes = [a for a in answers if a is not None]
+    distinct = list(dict.fromkeys(votes))
+    pairs = [(a, b) for i, a in enumerate(distinct) for b in distinct[:i + 1]] + [(a, truth) for a in distinct]
+    if not pairs:
+        return 0.0
+    verdicts = score_batch(*zip(*pairs), timeout=timeout, num_workers=num_workers, fn="reward:is_equivalent")[0]
+    same = dict(zip(pairs, verdicts))
+    classes = []  # [representative, votes]
+    for a in votes:
+        for c in classes:
+            if same[a, c[0]]:
+                c[1] += 1
+                break
+        else:
+            classes.append([a, 1])
+    top = max(classes, key=lambda c: c[1])  # max() keeps the first of equal counts
+    return float(same[top[0], truth])
 
 
 def _bench():

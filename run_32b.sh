@@ -96,7 +96,7 @@ esac
 # Not set here: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True. It would keep the trainer's varying
 # micro-batch shapes from fragmenting the CUDA cache, but vLLM turns it off only inside its sleep-mode
 # pool, and at TP > 1 its custom all-reduce registers CUDA-graph buffers through CUDA IPC, which rejects
-# expandable-segment memory (vllm issue 42609): a crash at start-up. See README.md, "On GPUs".
+# expandable-segment memory (vLLM #42609): a crash at start-up. See docs/gpu.md.
 echo "node $NODE_RANK of $NNODES ($(hostname)): rendezvous at $MASTER_ADDR:$MASTER_PORT;" \
   "$(env | grep -E '^(NCCL_|GLOO_SOCKET_IFNAME=)' | sort | tr '\n' ' ' || true)"
 

@@ -1,1 +1,2 @@
-"""Tools beside dapo.py: each runs on its own (python tools/NAME.py --help)."""
+"""Scripts that import dapo.py, each run on its own (python tools/NAME.py --help). dapo.py never imports
+them; what it imports lives in lib/."""

@@ -1,4 +1,4 @@
-"""Phase breakdown of dapo.py's rollout step on a fixed synthetic workload (issue 14).
+"""Phase breakdown of dapo.py's rollout step on a fixed synthetic workload.
 
     python tools/bench_step.py                    # 32 prompts x 8 responses, max 256 tokens, mu = 1
     python tools/bench_step.py --seeds            # generation only: unseeded / per-request seeds / per call
@@ -8,9 +8,7 @@ responses average ~110 tokens at a maximum of 256, ragged as DAPO's are. Dynamic
 one gradient update per rollout step (--num-mini-batches 1), the demo's micro-batch size (256
 sequences) unless --micro-batch-tokens is given. Prints the medians over --steps steps after
 --warmup steps: generation, reward, update, sync, the whole step, and the update per real
-(prompt + response) token. It only calls dapo.py's functions (and demo_model.py beside it), so
-`cd OLD && python NEW/tools/bench_step.py` measures an older checkout with the same API: before/after
-ratios in one session.
+(prompt + response) token. It calls dapo.py's own functions, so it measures the code that trains.
 """
 import argparse
 import os
@@ -20,11 +18,11 @@ import tempfile
 import time
 import types
 
-sys.path.insert(0, os.getcwd())  # the dapo.py of the checkout it is run from
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # dapo.py's checkout
 import torch  # noqa: E402
 
 import dapo  # noqa: E402
-import demo_model  # noqa: E402  (beside this file: sys.path[1] is this script's folder)
+from lib import demo_model  # noqa: E402
 
 
 def main():
@@ -53,7 +51,7 @@ def main():
     tokenizer = AutoTokenizer.from_pretrained(path)
     rows, _ = demo_model.demo_task(cfg.seed)
     prompt_ids = [dapo.encode_prompt(tokenizer, r["prompt"]) for r in rows]
-    llm = dapo.start_engine(cfg, path, device)  # (no dummy weights: older checkouts lack them)
+    llm = dapo.start_engine(cfg, path, device)
     torch.manual_seed(cfg.seed)
     model = dapo.load_policy(cfg, path, device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -72,6 +70,7 @@ def main():
         rewards = dapo.shape_rewards(samples, cfg)
         for s, r, adv in zip(samples, rewards.tolist(), dapo.group_advantages(rewards, cfg.group_size).tolist()):
             s.update(reward=r, adv=adv)
+        dapo.overlong_filtering(samples, cfg)
         dapo.distribute(samples, cfg)
         t1 = time.perf_counter()
         dapo.update_policy(run, samples)
@@ -97,8 +96,8 @@ def main():
 
 
 def bench_seeds(a, cfg, llm, sampler, prompt_ids):
-    """The same generate call, three ways: unseeded, one seed per request (as dapo.py did before
-    issue 14), and one seed per call through the engine's global generators (seeded_engine).
+    """The same generate call, three ways: unseeded, one seed per request (SamplingParams(seed=...)),
+    and one seed per call through the engine's global generators (seeded_engine, what dapo.py does).
     Also checks that two per-call runs with one seed give the same tokens."""
     from vllm import SamplingParams
     idx = sampler.take(a.prompts)

@@ -10,16 +10,16 @@ as one pretrained model is in the paper; the seeds vary the RL sampling (and the
 the carry task's fixed one), so the spread over seeds is the noise of RL alone.
 
     python tools/ladder.py                    # 6 rungs x 3 seeds (~1.5 hours on 2 CPU cores)
-    python tools/ladder.py --report           # only rebuild the table and tools/ladder.png from runs/ladder
+    python tools/ladder.py --report           # only rebuild the table and docs/ladder.png from runs/ladder
     python tools/ladder.py --print-commands   # the command lines, to run them elsewhere
     python tools/ladder.py --variants         # DAPO, GSPO, CISPO, Dr. GRPO (--loss), naive GRPO the reference
 
 --variants runs the objectives proposed after DAPO on DAPO's pipeline (every technique on, only
---loss differs), from the same warm-start, and reports them as the ladder does (tools/variants.png);
+--loss differs), from the same warm-start, and reports them as the ladder does (docs/variants.png);
 naive GRPO and DAPO are the ladder's first and last rungs, and their runs are shared.
 
 The report compares rungs per rollout step AND per generated response (dynamic sampling
-generates more per step). matplotlib is optional: with it, --report also draws tools/ladder.png.
+generates more per step). matplotlib is optional: with it, --report also draws docs/ladder.png.
 """
 
 import argparse
@@ -32,7 +32,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import dapo  # noqa: E402  (the carry task's settings and data)
-from tools import demo_model  # noqa: E402  (the warm-start)
+from lib import demo_model  # noqa: E402  (the warm-start)
 GRPO = ["--eps-high", "0.2", "--no-overlong-filtering", "--no-soft-overlong-punishment", "--no-token-level-loss",
         "--no-dynamic-sampling"]
 RUNGS = [  # (name, paper's AIME24 avg@32 for Qwen2.5-32B, flags, run folder): each rung drops one GRPO flag pair
@@ -209,13 +209,13 @@ def main():
     p.add_argument("--eval-every", type=int, default=15)
     p.add_argument("--tail", type=int, default=25, help="rollout steps averaged for the per-step metrics")
     p.add_argument("--root", default=os.path.join(ROOT, "runs", "ladder"))
-    p.add_argument("--png", help="where --report draws the curves (default: tools/ladder.png, tools/variants.png)")
+    p.add_argument("--png", help="where --report draws the curves (default: docs/ladder.png, docs/variants.png)")
     p.add_argument("--report", action="store_true")
     p.add_argument("--print-commands", action="store_true")
     p.add_argument("extra", nargs="*", help="more dapo.py flags for every rung (after --)")
     args = p.parse_args()
     args.rungs = range(len(entries(args))) if args.rungs is None else args.rungs
-    args.png = args.png or os.path.join(ROOT, "tools", "variants.png" if args.variants else "ladder.png")
+    args.png = args.png or os.path.join(ROOT, "docs", "variants.png" if args.variants else "ladder.png")
     if args.print_commands:
         for _, c in commands(args):
             print(" ".join(["python"] + c[1:]))

@@ -83,6 +83,8 @@ def memory_plan(cfg, shape, nodes, gpus_per_node, gpu_gb, device="cuda", weight_
     on_gpu = 0 if cfg.cpu_offload else 1
     states = {"sharded fp32 parameters": 4 * P / W * on_gpu, "sharded fp32 gradients": 4 * P / W * on_gpu,
               "sharded AdamW state (m, v)": 8 * P / W * on_gpu}
+    if cfg.kl_coef:  # the frozen reference: sharded like the policy, in the compute dtype, no optimizer
+        states[f"sharded reference ({'bf16' if b == 2 else 'fp32'}, --kl-coef)"] = b * P / W * on_gpu
     unit = max(h * h * 2 + 2 * h * kv * hd + 3 * h * i, V * h * (1 if tied else 2))  # a layer, or the root
     gathered = 2 * unit * b                     # FSDP all-gathers one unit (and prefetches the next)
     seq = cfg.max_prompt_len + cfg.max_response_len
@@ -138,7 +140,8 @@ def host_plan(cfg, shape, P, W, gpus_per_node, weight_file):
     file_b = min(max(cfg.hf_shard_gb * GB, biggest * save_b), P * save_b)  # one file of the export
     writers = min(g, math.ceil(P * save_b / file_b))
     base = g * HOST_GB_PER_RANK * GB
-    state = 16 * P / W * g if off else 0       # fp32 params, grads, AdamW m and v
+    ref = 2 * P / W * g if off and cfg.kl_coef else 0  # the offloaded bf16 reference (--kl-coef)
+    state = 16 * P / W * g + ref if off else 0  # fp32 params, grads, AdamW m and v
     loading = base + (4 * P / W * g if off else 0) + weight_file
     training = base + state
     dcp_staging = 0 if off else 12 * P / W * g
@@ -146,7 +149,7 @@ def host_plan(cfg, shape, P, W, gpus_per_node, weight_file):
     saving = base + state + max(dcp_staging, export)
     rows = [(f"rank processes, {g} x {HOST_GB_PER_RANK} GB (assumed)", base)]
     if off:
-        rows.append(("offloaded state (fp32 params, grads, AdamW)", state))
+        rows.append(("offloaded state (fp32 params, grads, AdamW" + (", reference)" if ref else ")"), state))
     rows += [(f"peak while loading (a {weight_file / GB:.1f} GB weight file)", loading),
              ("peak while training", training), ("peak while saving a checkpoint", saving)]
     return rows, max(loading, training, saving)

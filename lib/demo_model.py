@@ -5,8 +5,8 @@ the expected accuracy of sampling at T = 1 reaches a target. Also the built-in t
 (addition prompts in the DAPO template). dapo.py builds the model when --model is not given; run
 alone, this builds one for --model (the ladder shares one between all its runs).
 
-    python tools/demo_model.py runs/base                                  # the addition demo's
-    python tools/demo_model.py runs/carry-base --task carry
+    python lib/demo_model.py runs/base                                  # the addition demo's
+    python lib/demo_model.py runs/carry-base --task carry
 """
 
 import argparse
@@ -160,6 +160,11 @@ def describe(info, cache, hit):
             f"{info['sft_expected_acc']:.2f}")
 
 
+def cache_root():
+    """Where built models are cached: $DAPO_CACHE, default ~/.cache/dapo. Every entry is safe to delete."""
+    return os.environ.get("DAPO_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dapo")
+
+
 def cached_build(path, task="add", seed=0, sft_target=0.3):
     """build() the built-in task's model into path, through a cache: the warm-start is deterministic, so
     it is kept under $DAPO_CACHE (default ~/.cache/dapo), keyed by everything that determines it (this
@@ -170,7 +175,7 @@ def cached_build(path, task="add", seed=0, sft_target=0.3):
     import transformers
     with open(__file__, "rb") as f:
         key = repr((f.read(), task, seed, sft_target, torch.__version__, transformers.__version__))
-    root = os.environ.get("DAPO_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dapo")
+    root = cache_root()
     cache = os.path.join(root, f"demo-{task}-seed{seed}-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
     hit, t = os.path.isfile(os.path.join(cache, "warm_start.json")), time.perf_counter()
     if not hit:

@@ -2,8 +2,8 @@
 check_data.py: check what dapo.py is given (data files, a model, a checkpoint), as dapo.py does
 before it starts anything slow.
 
-    python tools/check_data.py data/dapo-math-17k.parquet data/aime-2024.parquet
-    python tools/check_data.py --model models/Qwen2.5-32B --checkpoint runs/dapo/checkpoints/step_000100
+    python lib/check_data.py data/dapo-math-17k.parquet data/aime-2024.parquet
+    python lib/check_data.py --model models/Qwen2.5-32B --checkpoint runs/dapo/checkpoints/step_000100
 
 A data file is a parquet table in the verl schema (DAPO-Math-17k, AIME-2024), JSON Lines, or a .json
 array. Each row gives `prompt` (or `problem`): a string or a list of {role, content} messages, and
