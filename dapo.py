@@ -82,11 +82,11 @@ class Config:
     group_size: int = 16             # G: responses sampled per prompt {>= 2: Eq. 9 needs a group}
     gen_batch_size: int = 1536       # prompts per generation batch (verl: 3 x 512) {>= 1}
     max_gen_batches: int = 10        # give up filling one batch after this many generation batches
-    #  {>= 1: verl's 0 = no limit would generate forever on data the model never solves: give a large number}
+    #  {>= 1: verl's 0 = no limit would loop forever on data the model never solves: give a large number}
     max_prompt_len: int = 2048       # longer prompts are dropped at load time {>= 1}
     max_response_len: int = 20480    # L_max (Eq. 13): generation stops here (truncated) {>= 1}
     temperature: float = 1.0         # sampling temperature for training rollouts {> 0}
-    top_p: float = 1.0               # top-p of training rollouts: must be 1 (old log-probs ignore the cut) {(0, 1]}
+    top_p: float = 1.0               # top-p of training rollouts: 1 (old log-probs ignore a cut) {(0, 1]}
     # DAPO techniques (each one flag; the paper's Table 1 is a set of command lines)
     eps_low: float = 0.2             # ε_low (Eq. 10) {(0, 1]}
     eps_high: float = 0.28           # ε_high, Clip-Higher (Sec. 3.1); 0.2 = symmetric GRPO clip {> 0}
@@ -116,7 +116,7 @@ class Config:
     warmup_steps: int = 20           # linear warm-up, in rollout steps; 0 = none
     weight_decay: float = 0.1        # AdamW weight decay (reference run); 0 = none
     grad_clip: float = 1.0           # max global grad norm; 0 = no clipping (the norm is still logged)
-    max_nonfinite: int = 10          # stop after this many optimizer steps in a row skipped for NaN/inf {>= 1}
+    max_nonfinite: int = 10          # stop after this many steps in a row skipped for NaN/inf {>= 1}
     num_mini_batches: int = 16       # μ: gradient updates per rollout step {>= 1}
     micro_batch_size: int = 4        # sequences per forward/backward on one rank {>= 1}
     micro_batch_tokens: int = 0      # micro-batches by this budget of real tokens; 0 = by --micro-batch-size
@@ -151,7 +151,7 @@ class Config:
     eval_only: bool = False          # evaluate --model (or, with --resume, the latest checkpoint) and exit
     log_samples: int = 4             # sampled responses per step written to samples.jsonl; 0 = none
     wandb_project: str = ""          # log to Weights & Biases under this project (needs `pip install wandb`)
-    demo_sft_target: float = 0.3     # demo only: stop the warm-start at this expected accuracy; 0 = none {[0, 1]}
+    demo_sft_target: float = 0.3     # demo only: the warm-start's target accuracy; 0 = none {[0, 1]}
     save_dtype: str = "bfloat16"     # dtype of the checkpoints' HF export: bfloat16 or float32
     hf_shard_gb: float = 5.0         # largest safetensors file of the Hugging Face export, GB {> 0}
 
@@ -203,7 +203,7 @@ LOSSES = {"dapo": {},
 
 def group_advantages(rewards, group_size, scale=True, eps=1e-6):
     """Eq. 9: A_i = (R_i - mean(R_group)) / (std(R_group) + eps), unbiased std; scale=False: Dr. GRPO's
-    R_i - mean(R_group), no division by the std. rewards: (B,), groups as contiguous blocks -> (B,)."""
+    R_i - mean(R_group). rewards: (B,), groups as contiguous blocks -> (B,)."""
     r = rewards.view(-1, group_size).float()
     adv = r - r.mean(1, keepdim=True)
     if scale:
@@ -225,51 +225,50 @@ def dynamic_sampling_mask(correct, group_size):
     return (n > 0) & (n < group_size)
 
 
-# The objective, per token. ratio: (B, T), r_t = π_θ / π_θold; adv: (B, 1). Each returns the token losses
-# to minimise (B, T) and where its clip binds, on the low and the high side (bool, for clip/*_frac).
+# The objective per token. ratio: (B, T), r_t = π_θ / π_θold; adv: (B, 1). Each returns the token
+# losses to minimise and where its clip binds, below and above (bool (B, T), for clip/low_frac, high_frac).
 
 def dapo_token_loss(ratio, adv, eps_low, eps_high):
-    """Eq. 10: -min(r A, clip(r, 1 - ε_low, 1 + ε_high) A). Clip-Higher decouples ε_high from ε_low. The
-    clip binds (zero gradient) only on the side the advantage pushes: r < 1 - ε_low with A < 0, r > 1 +
-    ε_high with A > 0. Dr. GRPO's objective too, with ε_high = ε_low."""
+    """Eq. 10: -min(r A, clip(r, 1 - ε_low, 1 + ε_high) A); Clip-Higher decouples ε_high from ε_low.
+    The clip binds (no gradient) only on the side A pushes. Dr. GRPO's too, with ε_high = ε_low."""
     loss = -torch.min(ratio * adv, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv)
     return loss, (ratio < 1 - eps_low) & (adv < 0), (ratio > 1 + eps_high) & (adv > 0)
 
 
 def gspo_token_loss(log_ratio, mask, adv, eps_low, eps_high):
-    """GSPO (Zheng et al. 2025, Eq. 5-7): one ratio per sequence, s_i = exp(mean_t log r_t), clipped as a
-    whole by Eq. 10's clip, so every token of a clipped sequence binds; each token carries s_i."""
+    """GSPO (Zheng et al. 2025, Eq. 5-7): one ratio per sequence, s_i = exp(mean_t log r_t), clipped
+    whole by Eq. 10's clip: every token of a clipped sequence binds."""
     seq = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
     return dapo_token_loss(torch.exp(seq).expand_as(log_ratio), adv, eps_low, eps_high)
 
 
 def cispo_token_loss(ratio, logp, adv, eps_low, eps_high):
-    """CISPO (MiniMax-M1 2025, Eq. 4): -sg(clip(r, 1 - ε_low, 1 + ε_high)) A log π_θ, a clipped, detached
+    """CISPO (MiniMax-M1 2025, Eq. 4): -sg(clip(r, 1 - ε_low, 1 + ε_high)) A log π_θ: a detached, capped
     weight, so every token keeps a gradient. Its clip binds where the weight is capped, whatever A."""
     loss = -torch.clamp(ratio, 1 - eps_low, 1 + eps_high).detach() * adv * logp
     return loss, ratio < 1 - eps_low, ratio > 1 + eps_high
 
 
 def sapo_token_loss(ratio, adv, tau_pos, tau_neg):
-    """SAPO (arXiv 2511.20347): the hard clip becomes a soft gate, -sigmoid(τ (r - 1)) 4/τ A (τ_pos where
-    A > 0, else τ_neg), whose gradient is 4 σ(1 - σ) times the unclipped r A ∇log π: exactly that at r = 1,
-    fading smoothly on both sides. clip/* report where the gate cut it by over half, below r = 1 or above."""
+    """SAPO (arXiv 2511.20347): a soft gate instead of the clip, -sigmoid(τ (r - 1)) 4/τ A (τ_pos where
+    A > 0, else τ_neg). Its gradient is the unclipped one times 4 σ(1 - σ): exactly it at r = 1, fading
+    on both sides. Nothing binds; clip/* report where the gate cut the gradient by over half."""
     tau = torch.full_like(adv, tau_neg).masked_fill(adv > 0, tau_pos)
     gate = torch.sigmoid(tau * (ratio - 1))
     faded = 4 * gate * (1 - gate) < 0.5
     return -gate * (4 / tau) * adv, faded & (ratio < 1), faded & (ratio > 1)
 
 
-class Normaliser(NamedTuple):
-    """How policy_loss averages a mini-batch's token losses (loss_normaliser decides it once per mini-batch)."""
-    per_sample: bool  # True: each sample's token mean first (GRPO); False: every token alike (Eq. 12)
-    n: float          # what the sum is divided by: a count over the WHOLE mini-batch, every micro-batch and rank
+# How a mini-batch's token losses are averaged (loss_normaliser decides, once per mini-batch): per_sample,
+# each sample's mean first (GRPO), or every token alike (Eq. 12); then divided by n, a count over the
+# WHOLE mini-batch (every micro-batch and rank), so that the micro-batch losses add up exactly.
+Normaliser = NamedTuple("Normaliser", [("per_sample", bool), ("n", float)])
 
 
 def policy_loss(logp, old_logp, advantages, mask, cfg, norm=None, weight=None, ref_logp=None):
-    """The --loss objective over one micro-batch, as a loss to minimise: its token losses, then Eq. 12's sum.
-    logp, old_logp, mask: (B, T); advantages: (B,); norm: a Normaliser (None: this batch's token mean); weight:
-    detached per-token factors (loss_weights); ref_logp: log π_ref (--kl-coef). Returns (loss, stats)."""
+    """The --loss objective over one micro-batch, as a loss to minimise. logp, old_logp, mask: (B, T);
+    advantages: (B,); norm: a Normaliser (None: this batch's token mean); weight: detached per-token
+    factors; ref_logp: log π_ref for --kl-coef. Returns (loss, stats)."""
     log_ratio = torch.where(mask.bool(), logp - old_logp, 0.0)  # padding never reaches exp()
     log_ratio = log_ratio.clamp(-20.0, 20.0)  # as verl: a wild token cannot overflow exp()
     ratio = torch.exp(log_ratio)  # r_t = π_θ / π_θold, per token
@@ -282,11 +281,11 @@ def policy_loss(logp, old_logp, advantages, mask, cfg, norm=None, weight=None, r
         per_token, low, high = sapo_token_loss(ratio, adv, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
     else:  # DAPO (Clip-Higher, Eq. 10); Dr. GRPO
         per_token, low, high = dapo_token_loss(ratio, adv, cfg.eps_low, cfg.eps_high)
-    if cfg.dual_clip:  # dual-clip PPO (the reference run: c = 10): an A < 0 token's loss is at most -c A
+    if cfg.dual_clip:  # dual-clip PPO (the reference run's c = 10): an A < 0 token's loss is at most -c A
         per_token = torch.where(adv < 0, torch.minimum(per_token, -cfg.dual_clip * adv), per_token)
     if weight is not None:
         per_token = per_token * weight
-    if ref_logp is not None:  # GRPO's KL penalty (DAPO drops it, Sec. 2.3): the k3 estimate of KL(π_θ||π_ref)
+    if ref_logp is not None:  # GRPO's KL penalty (Sec. 2.3 drops it): k3, an estimate of KL(π_θ || π_ref)
         kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
         per_token = per_token + cfg.kl_coef * kl
     norm = norm or Normaliser(per_sample=False, n=mask.sum())
@@ -295,8 +294,8 @@ def policy_loss(logp, old_logp, advantages, mask, cfg, norm=None, weight=None, r
         total = (masked.sum(-1) / mask.sum(-1).clamp(min=1)).sum()
     else:  # DAPO (token-level loss, Eq. 12): every token of the mini-batch weighs the same
         total = masked.sum()
-    loss = total / max(float(norm.n), 1.0)  # n counts the WHOLE mini-batch: micro-batch losses add up
-    with torch.no_grad():  # means over this batch's trained tokens
+    loss = total / max(float(norm.n), 1.0)
+    with torch.no_grad():  # means over the trained tokens
         mean = lambda x: (x * mask).sum() / mask.sum().clamp(min=1)  # noqa: E731
         stats = {"clip/low_frac": mean(low), "clip/high_frac": mean(high),
                  "approx_kl": mean(ratio - 1 - log_ratio)}  # k3 estimate of KL(π_θold || π_θ)
@@ -306,32 +305,33 @@ def policy_loss(logp, old_logp, advantages, mask, cfg, norm=None, weight=None, r
 
 
 def tis_weights(old_logp, rollout_logp, mask, cap, mode="token_truncate", floor=0.0):
-    """Rollout correction (verl; TRL's vllm_importance_sampling_mode): vLLM sampled from π_rollout, a little
-    off π_θold, so each token's loss is weighted by ρ = π_θold / π_rollout, per token or per sequence (the
-    product of its token ratios, as a sum of logs): *_truncate clamps ρ to [floor, cap], *_mask zeroes it outside."""
+    """Rollout correction (verl; TRL's vllm_importance_sampling_mode): vLLM sampled from π_rollout, a
+    little off π_θold, so the loss is weighted by ρ = π_θold / π_rollout per token, or per sequence (the
+    product of its token ratios, a sum of logs): *_truncate clamps ρ to [floor, cap], *_mask zeroes it
+    outside. Returns (the weights, detached, and the shares of tokens and sequences out of bounds)."""
     log_w = torch.where(mask.bool(), old_logp - rollout_logp, 0.0)
     if mode.startswith("sequence"):
         log_w = log_w.sum(-1, keepdim=True)
     raw = torch.exp(log_w.clamp(max=20.0)).detach()
-    outside = (raw > cap) | (raw < floor)
-    w = raw.clamp(min=floor, max=cap) if mode.endswith("truncate") else torch.where(outside, 0.0, raw)
-    mask, hit = mask.float(), outside.float() * mask  # hit: tokens truncated or masked
-    return w, {"tis/weight_mean": (w * mask).sum() / mask.sum().clamp(min=1),
-               "tis/clipped_frac": hit.sum() / mask.sum().clamp(min=1),
+    out = (raw > cap) | (raw < floor)
+    w = raw.clamp(min=floor, max=cap) if mode.endswith("truncate") else torch.where(out, 0.0, raw)
+    hit, n = out.float() * mask, mask.sum().clamp(min=1)
+    return w, {"tis/weight_mean": (w * mask).sum() / n, "tis/clipped_frac": hit.sum() / n,
                "tis/clipped_seq_frac": hit.amax(-1).sum() / mask.amax(-1).sum().clamp(min=1)}
 
 
 def off_policy_mask(logp, rollout_logp, adv, mask, delta):
-    """DeepSeek-V3.2 (arXiv 2512.02556, Eq. 9), as TRL computes it: keep a sequence unless A < 0 and the mean
-    over its tokens of log π_rollout - log π_θ (π_θ detached) exceeds δ: too far off-policy to learn from."""
-    kl = ((rollout_logp - logp.detach()) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    """DeepSeek-V3.2 (arXiv 2512.02556, Eq. 9), as TRL computes it: keep a sequence unless A < 0 and the
+    mean of log π_rollout - log π_θ (detached) over its tokens exceeds δ: too far off-policy to learn."""
+    n = mask.sum(-1, keepdim=True).clamp(min=1)
+    kl = ((rollout_logp - logp.detach()) * mask).sum(-1, keepdim=True) / n
     keep, trained = ((adv >= 0) | (kl <= delta)).float(), mask.amax(-1, keepdim=True)
     return keep, {"offpolicy/dropped_seq_frac": ((1 - keep) * trained).sum() / trained.sum().clamp(min=1)}
 
 
 def entropy_threshold(entropies, rho):
-    """Beyond the 80/20 rule (arXiv 2506.01939): the tokens at or above the (1 - ρ) quantile of the mini-
-    batch's entropies carry the loss (linear interpolation, as torch.quantile and TRL; numpy has no size cap)."""
+    """Beyond the 80/20 rule (arXiv 2506.01939): the (1 - ρ) quantile of the mini-batch's token
+    entropies (linear, as torch.quantile and TRL); the tokens at or above it carry the loss."""
     return float(np.quantile(entropies.double().numpy(), 1 - rho)) if entropies.numel() else math.inf
 
 
@@ -407,10 +407,9 @@ def sample_groups(run, rows, prompt_ids, idx, n, temperature, top_p, key, answer
         s["correct"] = c  # Eq. 7: R = +1 if is_equivalent(answer, truth) else -1 (shape_rewards)
         if answers:
             s["answer"] = reward.extract_answer(s["text"])
-    t2 = time.perf_counter()
-    times = {"time/rollout": t1 - t0, "time/reward": t2 - t1, "reward/timeouts": rstats["timeouts"],
-             # -log p of the sampled tokens: the entropy over ALL generated tokens, not only the kept groups'
-             "gen/nll": -sum(sum(s["vllm_logp"]) for s in local), "gen/tokens": sum(s["len"] for s in local)}
+    times = {"time/rollout": t1 - t0, "time/reward": time.perf_counter() - t1,
+             "reward/timeouts": rstats["timeouts"], "gen/tokens": sum(s["len"] for s in local),
+             "gen/nll": -sum(sum(s["vllm_logp"]) for s in local)}  # / gen/tokens: ALL tokens' entropy
     return share_groups(local, idx, prompt_ids, n, times, cfg.tp_size, answers)
 
 
@@ -424,9 +423,9 @@ def shape_rewards(samples, cfg):
 
 
 def collect_batch(sample_fn, sampler, cfg):
-    """Algorithm 1, lines 3-8: generation batches until N groups pass the dynamic-sampling filter
-    (the surplus is dropped). sample_fn(prompt indices, batch no) -> (groups, stats). It gives up
-    early once the batches left could not fill the batch even at twice the keep rate so far."""
+    """Algorithm 1, lines 3-8: generation batches until N groups pass the dynamic-sampling filter (the
+    surplus is dropped), or until the batches left could not fill it at twice the keep rate so far.
+    sample_fn(prompt indices, batch no) -> (groups, stats)."""
     G, N = cfg.group_size, cfg.prompts_per_step
     size = cfg.gen_batch_size if cfg.dynamic_sampling else N
     kept, seen, passed, times = [], [], [], {}
@@ -436,11 +435,12 @@ def collect_batch(sample_fn, sampler, cfg):
         seen += groups
         mixed = dynamic_sampling_mask(torch.tensor([s["correct"] for g in groups for s in g]), G).tolist()
         passed += mixed
-        if cfg.dynamic_sampling:  # DAPO (dynamic sampling, Eq. 11): on accuracy, not on the shaped reward
+        if cfg.dynamic_sampling:  # DAPO (dynamic sampling, Eq. 11): on accuracy, not the shaped reward
             groups = [g for g, k in zip(groups, mixed) if k]
         kept += groups
         if len(kept) >= N:
-            return kept[:N], seen, {"filter/kept_frac": sum(passed) / len(seen), "filter/gen_batches": b + 1, **times}
+            return kept[:N], seen, {"filter/kept_frac": sum(passed) / len(seen), "filter/gen_batches": b + 1,
+                                    **times}
         if len(kept) + 2 * (cfg.max_gen_batches - b - 1) * size * sum(passed) / len(seen) < N:
             break
     raise too_few_groups(len(kept), seen, b + 1, cfg)  # Part 2: the error, with what to change
@@ -466,8 +466,8 @@ def overlong_filtering(samples, cfg):
 # Update: old log-probs, then μ gradient steps with the exact token-level normaliser
 
 def loss_normaliser(mini, cfg):
-    """How the token losses of a mini-batch are averaged, for every --loss, decided here once over ALL of
-    the mini-batch (every micro-batch and rank), so that the micro-batch losses add up exactly."""
+    """How the token losses of a mini-batch are averaged, for every --loss, decided once over ALL of
+    the mini-batch (every micro-batch and rank)."""
     trained = [s for s in mini if s["trained"]]
     if cfg.loss == "dr_grpo":  # Dr. GRPO: a constant, L_max x samples: no length bias either way
         return Normaliser(per_sample=False, n=cfg.max_response_len * len(mini))
@@ -483,27 +483,29 @@ def policy_gradient(model, mini, micros, cfg, pad_id, device, entropy_floor=None
     sums = {}
     for mb in micros:
         batch = collate(mb, pad_id, device, packs_one_row(cfg))  # Part 2: the sequences, packed in rows
-        logp, ent = model.forward_logprobs(batch, cfg.temperature, cfg.logprob_chunk)  # Part 2: (B, R) each
-        old = old_logp_of(mb, logp)  # Part 2: π_θold (B, R); the first mini-batch's is this pass, detached
+        logp, ent = model.forward_logprobs(batch, cfg.temperature, cfg.logprob_chunk)  # Part 2: (B, R)
+        old = old_logp_of(mb, logp)  # Part 2: π_θold; the first mini-batch's is this pass, detached
         mask = batch["mask"] * torch.tensor([float(s["trained"]) for s in mb], device=device)[:, None]
         adv = torch.tensor([s["adv"] for s in mb], device=device)
-        rows = lambda key: pad_sequence([torch.as_tensor(s[key]) for s in mb], batch_first=True).to(device)  # noqa
-        factors = []  # optional per-token factors, all off by default (the paper's objective)
-        if cfg.tis_cap:  # correct for vLLM's sampling distribution
-            factors.append(tis_weights(old, rows("vllm_logp"), mask, cfg.tis_cap, cfg.tis_mode, cfg.tis_min))
-        if cfg.off_policy_mask:  # drop far off-policy negative samples
-            factors.append(off_policy_mask(logp, rows("vllm_logp"), adv[:, None], mask, cfg.off_policy_mask))
-        if entropy_floor is not None:  # only the mini-batch's top-ρ entropy tokens (π_θold's entropies)
-            chosen = (rows("old_entropy") >= entropy_floor).float()
-            factors.append((chosen, {"entropy/selected_frac": (chosen * mask).sum() / mask.sum().clamp(min=1)}))
-        weight = math.prod(f for f, _ in factors) if factors else None
+        factors = []  # per-token factors, each off by default (the paper's objective)
+        if cfg.tis_cap:  # correct for vLLM's sampling policy
+            factors.append(tis_weights(old, rows(mb, "vllm_logp", device), mask, cfg.tis_cap, cfg.tis_mode,
+                                       cfg.tis_min))
+        if cfg.off_policy_mask:  # drop the negative samples far off-policy
+            factors.append(off_policy_mask(logp, rows(mb, "vllm_logp", device), adv[:, None], mask,
+                                           cfg.off_policy_mask))
+        if entropy_floor is not None:  # the mini-batch's top-ρ entropy tokens alone (π_θold's entropy)
+            chosen = (rows(mb, "old_entropy", device) >= entropy_floor).float()
+            share = (chosen * mask).sum() / mask.sum().clamp(min=1)
+            factors.append((chosen, {"entropy/selected_frac": share}))
         st = {k: v for _, f_stats in factors for k, v in f_stats.items()}
-        ref = rows("ref_logp") if cfg.kl_coef else None
-        loss, loss_stats = policy_loss(logp, old, adv, mask, cfg, norm, weight, ref)
+        ref = rows(mb, "ref_logp", device) if cfg.kl_coef else None  # Part 2: rows = per-sample lists, padded
+        loss, loss_stats = policy_loss(logp, old, adv, mask, cfg, norm, math.prod(f for f, _ in factors)
+                                       if factors else None, ref)
         (loss * world()).backward()  # PLUMBING: FSDP2 averages gradients over ranks; Eq. 12 wants the sum
         n = mask.sum().item()
         st.update(loss_stats, entropy=(ent * mask).sum() / max(n, 1.0))
-        add_stats(sums, st, n, float(sum(s["trained"] for s in mb)), loss.item())  # Part 2: sums, by name
+        add_stats(sums, st, n, float(sum(s["trained"] for s in mb)), loss.item())  # Part 2: sums by name
     return sums, sum(s["len"] for s in mini if s["trained"])
 
 
@@ -511,12 +513,12 @@ def update_policy(run, samples):
     """μ = num_mini_batches AdamW steps on the batch (each sample carries "adv" and "trained"). A mini-
     batch with a non-finite loss or gradient norm on any rank, or no trained token, steps no optimizer."""
     cfg = run.cfg
-    minis, plan = micro_batches(samples, cfg)  # Part 2: each mini-batch, and this rank's micro-batches of it
+    minis, plan = micro_batches(samples, cfg)  # Part 2: each mini-batch, and this rank's micro-batches
     totals, grad_norms, skipped = None, [], 0
     with tf32_head(run.device):  # Part 2: on CUDA, the fp32 head as a TF32 GEMM (an exact forward)
         old_logprobs(run, plan)  # Part 2: π_θold before any update (and π_ref, π_θold's entropies)
         for mini, micros in zip(minis, plan):
-            rho = cfg.top_entropy_quantile  # <1: the threshold over the whole mini-batch (all_entropies, Part 2)
+            rho = cfg.top_entropy_quantile  # < 1: one threshold over every rank's tokens (all_entropies)
             floor = entropy_threshold(all_entropies(micros), rho) if rho < 1 else None
             run.opt.zero_grad(set_to_none=True)
             sums, tokens = policy_gradient(run.model, mini, micros, cfg, run.pad_id, run.device, floor)
@@ -556,7 +558,7 @@ def evaluate(run, tag):
         avg.append(c / k)
         pas.append(pass_at_k(k, c, k))
         maj.append(reward.majority_correct([s["answer"] for s in g], rows[i]["answer"], cfg.reward_timeout,
-                                           cfg.reward_workers))  # votes by equivalence class, time-bounded
+                                           cfg.reward_workers))  # by equivalence class, time-bounded
     n = len(idx)
     out = {f"eval/avg@{k}": sum(avg) / n, f"eval/pass@{k}": sum(pas) / n, f"eval/maj@{k}": sum(maj) / n,
            **by_level([rows[i] for i in idx], avg, k)}  # Part 2: the carry task's difficulties
@@ -603,8 +605,9 @@ def parse_config(argv=None, cls=Config):
         flag = "--" + f.name.replace("_", "-")
         set_by = "".join(f"; {name}: {p[f.name]!r}" for name, p in named.items() if f.name in p)
         if f.name == "loss":
-            set_by = "".join(f"; {k} sets {', '.join(f'{n}={v}' for n, v in e.get('preset', {}).items()) or 'nothing'}"
-                             for k, e in LOSSES.items())
+            sets = {k: ", ".join(f"{n}={v}" for n, v in e.get("preset", {}).items())
+                    for k, e in LOSSES.items()}
+            set_by = "".join(f"; {k} sets {what or 'nothing'}" for k, what in sets.items())
         ignored = [k for k, e in LOSSES.items() if f.name in e.get("ignores", ())]
         help = f"{helps.get(f.name, '')} (default: {f.default!r}{set_by})" + (
             f" Ignored by --loss {', '.join(ignored)}." if ignored else "")
@@ -630,14 +633,14 @@ def too_few_groups(kept, seen, batches, cfg):
     acc = n.sum().item() / (len(seen) * cfg.group_size)
     left = cfg.max_gen_batches - batches
     easy = n_all > n_none
-    early = (f", and the {left} left of --max-gen-batches {cfg.max_gen_batches} could not fill it even at twice "
-             f"this keep rate") if left else ""
+    early = (f", and the {left} left of --max-gen-batches {cfg.max_gen_batches} could not fill it even "
+             f"at twice this keep rate") if left else ""
     return DapoError(
         f"dynamic sampling kept only {kept} of {cfg.prompts_per_step} groups after {batches} generation "
-        f"batch{'es' if batches > 1 else ''} "
-        f"({len(seen)} groups: {n_all} all correct, {n_none} all wrong; accuracy {acc:.1%}){early}. The data is "
-        f"too {'easy' if easy else 'hard'} for this model, or the group size G={cfg.group_size} is too small: use "
-        f"{'harder' if easy else 'easier'} data, pass --no-dynamic-sampling (to learn the answer format first), "
+        f"batch{'es' if batches > 1 else ''} ({len(seen)} groups: {n_all} all correct, {n_none} all wrong; "
+        f"accuracy {acc:.1%}){early}. The data is too {'easy' if easy else 'hard'} for this model, or the "
+        f"group size G={cfg.group_size} is too small: use {'harder' if easy else 'easier'} data, pass "
+        f"--no-dynamic-sampling (to learn the answer format first), "
         f"or raise --group-size, --gen-batch-size or --max-gen-batches")
 
 
@@ -827,7 +830,8 @@ def generate(run, prompts, n, temperature, top_p, key):
     params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=cfg.max_response_len,
                             logprobs=0, flat_logprobs=True, detokenize=False)
     with seeded_engine(run.llm, *key, "dp", rank() // cfg.tp_size):
-        outs = run.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False) if prompts else []
+        requests = [{"prompt_token_ids": p} for p in prompts]
+        outs = run.llm.generate(requests, params, use_tqdm=False) if requests else []
     local = []
     for out in outs:
         for o in out.outputs:
@@ -1069,6 +1073,11 @@ def all_entropies(micros):
     return torch.cat([torch.cat(part) if part else torch.zeros(0) for part in all_gather_objects(mine)[0]])
 
 
+def rows(mb, key, device):
+    """A per-sample list (or tensor) of each response token's value, as a (B, R) tensor on device."""
+    return pad_sequence([torch.as_tensor(s[key]) for s in mb], batch_first=True).to(device)
+
+
 def add_stats(sums, stats, tokens, sequences, loss):
     """Add one micro-batch's statistics, means over its trained tokens (or, *_seq_frac, its trained
     sequences), to sums, by name, as totals that update_metrics divides again over the mini-batches."""
@@ -1204,7 +1213,7 @@ def load_policy(cfg, path, device, weights=True, reference=False):
     with contextlib.suppress(OSError):  # from_config alone drops generation_config.json (vLLM's stop set)
         model.generation_config = GenerationConfig.from_pretrained(path)
     model.config.use_cache = False
-    if cfg.grad_checkpointing and not reference:  # only each layer's input is kept; the rest is recomputed in backward
+    if cfg.grad_checkpointing and not reference:  # only each layer's input is kept; the rest recomputed
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()  # HF checkpoints only in train mode (Qwen2 has no dropout to switch on)
     offload = cfg.cpu_offload and cuda
@@ -1395,7 +1404,8 @@ def field_range(help):
 def _out_of_range(flag, value, help):
     """Why a numeric field's value is refused, or None."""
     low, open_low, high, spec, why = field_range(help)
-    if math.isfinite(value) and (value > low if open_low else value >= low) and (high is None or value <= high):
+    inside = (value > low if open_low else value >= low) and (high is None or value <= high)
+    if math.isfinite(value) and inside:
         return None
     if high is not None:
         return f"{flag} must lie in {spec} (got {value})"
@@ -1439,13 +1449,14 @@ def check_config(cfg):
         (cfg.dual_clip < 0 or 0 < cfg.dual_clip <= 1,
          f"--dual-clip {cfg.dual_clip} would zero the gradient of every A < 0 token: give c > 1 (the "
          f"reference run used 10) or 0 for off"),
-        (cfg.tis_mode not in TIS_MODES, f"--tis-mode must be one of {', '.join(TIS_MODES)}, not {cfg.tis_mode!r}"),
+        (cfg.tis_mode not in TIS_MODES,
+         f"--tis-mode must be one of {', '.join(TIS_MODES)}, not {cfg.tis_mode!r}"),
         (cfg.tis_cap < 0 or 0 < cfg.tis_cap < 1,
          f"--tis-cap must be 0 (off) or at least 1 (verl and TRL use 2 and 3), not {cfg.tis_cap}"),
         (cfg.tis_min > 0 and not cfg.tis_cap, f"--tis-min {cfg.tis_min} needs --tis-cap: 0 turns rollout "
                                               f"correction off"),
         (cfg.tis_cap and cfg.tis_min >= cfg.tis_cap,
-         f"--tis-min {cfg.tis_min} must lie below --tis-cap {cfg.tis_cap}: no weight would be left in bounds"),
+         f"--tis-min {cfg.tis_min} must lie below --tis-cap {cfg.tis_cap}: no weight would be in bounds"),
         (cfg.top_p != 1.0, f"--top-p {cfg.top_p} in training biases the importance ratio (the old log-probs "
                            f"ignore the truncation): use 1.0; --eval-top-p sets evaluation"),
     ]
@@ -1473,7 +1484,8 @@ def cpu_batch_note(cfg):
         return None
     n = cfg.prompts_per_step * cfg.group_size
     return (f"note: no GPU, and the batch is the 32B recipe's: one step generates and trains {n:,} responses "
-            f"of up to {cfg.max_response_len:,} tokens ({n * cfg.max_response_len / 1e6:.0f}M tokens); on a CPU "
+            f"of up to {cfg.max_response_len:,} tokens ({n * cfg.max_response_len / 1e6:.0f}M tokens); "
+            f"on a CPU "
             f"shrink it with --prompts-per-step, --group-size, --gen-batch-size, --max-response-len and "
             f"--num-mini-batches (python dapo.py --help shows a set for a ~100M model on a laptop)")
 

@@ -3047,7 +3047,7 @@ def test_ladder_report_compares_per_step_and_per_response(tmp_path, capsys):
                 for step in range(1, 21):
                     m = {"step": step, "gen/responses": per_step, "entropy/generated": 0.1,
                          "len/truncated_frac": 0.0, "filter/kept_frac": 0.5, "batch/effective_groups": 8,
-                         "clip/high_frac": 0.0}
+                         "clip/high_frac": 0.0, "clip/low_frac": 0.0}
                     if step % 5 == 0:
                         m.update({k: round(0.2 + gain * step, 3) for k in before})
                     f.write(json.dumps(m) + "\n")

@@ -12,10 +12,10 @@ the carry task's fixed one), so the spread over seeds is the noise of RL alone.
     python tools/ladder.py                    # 6 rungs x 3 seeds (~1.5 hours on 2 CPU cores)
     python tools/ladder.py --report           # only rebuild the table and docs/ladder.png from runs/ladder
     python tools/ladder.py --print-commands   # the command lines, to run them elsewhere
-    python tools/ladder.py --variants         # DAPO, GSPO, CISPO, Dr. GRPO (--loss), naive GRPO the reference
+    python tools/ladder.py --variants         # the objectives and knobs after DAPO; naive GRPO the reference
 
 --variants runs the objectives proposed after DAPO on DAPO's pipeline (every technique on, only
---loss differs), from the same warm-start, and reports them as the ladder does (docs/variants.png);
+--loss or one knob differs), from the same warm-start, and reports them as the ladder does (docs/variants.png);
 naive GRPO and DAPO are the ladder's first and last rungs, and their runs are shared.
 
 The report compares rungs per rollout step AND per generated response (dynamic sampling
@@ -44,7 +44,13 @@ RUNGS = [  # (name, paper's AIME24 avg@32 for Qwen2.5-32B, flags, run folder): e
     ("+ dynamic sampling (DAPO)", 50, [], "rung5"),
 ]
 VARIANTS = [RUNGS[0], ("DAPO", 50, [], "rung5"), ("GSPO", "-", ["--loss", "gspo"], "gspo"),
-            ("CISPO", "-", ["--loss", "cispo"], "cispo"), ("Dr. GRPO", "-", ["--loss", "dr_grpo"], "dr_grpo")]
+            ("CISPO", "-", ["--loss", "cispo"], "cispo"), ("Dr. GRPO", "-", ["--loss", "dr_grpo"], "dr_grpo"),
+            ("SAPO", "-", ["--loss", "sapo"], "sapo"),
+            ("DAPO + KL 0.001", "-", ["--kl-coef", "0.001"], "kl"),
+            ("DAPO + top-20% entropy tokens", "-", ["--top-entropy-quantile", "0.2"], "entropy"),
+            ("DAPO + sequence IS mask (cap 3)", "-", ["--tis-mode", "sequence_mask", "--tis-cap", "3"], "tis")]
+# Each variant's own statistic (the last-steps mean, in the report): what its flag does
+OWN = ["kl/ref", "entropy/selected_frac", "tis/clipped_frac", "tis/clipped_seq_frac", "mismatch/kl_k1"]
 SHORT, LONG = (1, 2, 3), (4, 5)  # the carry task's levels (columns): held-out split by difficulty
 KEY = "eval/avg@4"
 
@@ -138,8 +144,9 @@ def report(args):
     last = lambda r, k: statistics.mean(m[k] for m in r["metrics"][-args.tail:])  # late-training mean
     table = [f"| rung | paper AIME24 | held-out avg@4 (mean ± sd) | short d1-d3 | long d4-d5 | "
              f"steps to {entries(args)[base][0]}'s final ({grpo_final:.3f}) | responses to it | at its responses | "
-             f"entropy | truncated | kept | effective groups | responses/step | clip hi |",
-             "|" + "---|" * 14]
+             f"entropy | truncated | kept | effective groups | responses/step | clip lo / hi |"
+             + (" its own statistic |" if args.variants else ""),
+             "|" + "---|" * (15 if args.variants else 14)]
     for i, rs in sorted(runs.items()):
         name, paper = entries(args)[i][:2]
         reach = [first_reach(curve(r), grpo_final) for r in rs]
@@ -158,7 +165,11 @@ def report(args):
             f"| {statistics.mean(last(r, 'filter/kept_frac') for r in rs):.2f} "
             f"| {statistics.mean(last(r, 'batch/effective_groups') for r in rs):.1f} "
             f"| {statistics.mean(last(r, 'gen/responses') for r in rs):.0f} "
-            f"| {100 * statistics.mean(last(r, 'clip/high_frac') for r in rs):.3f}% |")
+            f"| {100 * statistics.mean(last(r, 'clip/low_frac') for r in rs):.3f}% / "
+            f"{100 * statistics.mean(last(r, 'clip/high_frac') for r in rs):.3f}% |"
+            + (" " + ", ".join(f"{k} {statistics.mean(last(r, k) for r in rs):.3g}" for k in OWN
+                               if all(k in m for r in rs for m in r["metrics"][-args.tail:])) + " |"
+               if args.variants else ""))
     print(f"{len(args.seeds)} seeds; held-out avg@4 after the last step; per-step metrics are means over the "
           f"last {args.tail} rollout steps and the seeds; steps and responses to reach are medians over the seeds "
           f"that reached it (eval every {args.eval_every} steps).\n")
