@@ -38,12 +38,10 @@ checks, Ctrl-C); a function it provides is named where Part 1 calls it. Beside t
 
 import contextlib
 import dataclasses
-import importlib.util
 import json
 import math
 import os
 import random
-import re
 import sys
 import time
 import types
@@ -57,8 +55,11 @@ from torch.nn.utils.rnn import pad_sequence
 import reward  # the answer checker (Eq. 7), beside this file
 
 # Checks of the user's files (Part 2) live in lib/: bad input is one line, before anything slow.
+from lib import check_data, interrupt
+from lib.dist import (all_gather_objects, all_to_all_objects, compute_device, full_tensor, init_distributed,
+                      print0, rank, world)
 from lib.check_data import InputError as DapoError, check_checkpoint, check_model, check_weights, one_line
-from lib.check_data import load as load_data
+from lib.check_data import cpu_batch_note, field_helps, latest_checkpoint, load as load_data, step_dirs
 
 
 # =========================================================================================
@@ -583,14 +584,10 @@ def presets(cfg):
     return out + ([(f"--loss {cfg.loss}", preset)] if preset else [])
 
 
-def field_helps(cls=Config):
-    """Each field's comment (its --help), with the lines below it that start with `#  ` (two spaces)."""
-    import inspect
-    source = "".join(inspect.getsource(c) for c in cls.__mro__ if dataclasses.is_dataclass(c))
-    helps = {}
-    for name, first, more in re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)\n((?:[ \t]+#  .*\n)*)", source, re.M):
-        helps[name] = " ".join([first] + re.findall(r"#\s*(.*)", more))
-    return helps
+def check_config(cfg):
+    """Every setting that cannot run or would train wrongly, refused in one line (lib/check_data.py's
+    checks, with this file's --loss table)."""
+    check_data.check_config(cfg, LOSSES)
 
 
 def parse_config(argv=None, cls=Config):
@@ -645,71 +642,7 @@ def too_few_groups(kept, seen, batches, cfg):
 
 
 # -----------------------------------------------------------------------------------------
-# Distributed helpers and the exchange of samples between ranks
-
-def rank():
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
-
-def world():
-    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-
-
-def _compute_device():
-    return torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
-
-
-def _full(t):
-    """The whole tensor behind an FSDP2 shard (a collective), or t itself."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def print0(*a, **k):
-    if rank() == 0:
-        print(*a, **k, flush=True)
-
-
-def init_distributed(timeout_min=Config.collective_timeout_min):
-    """torchrun sets RANK/WORLD_SIZE/...; plain `python dapo.py` becomes a world of one. The timeout
-    bounds every collective of this group; vLLM's own TP groups keep torch's (they run in lockstep)."""
-    from datetime import timedelta
-    if "RANK" not in os.environ:  # vLLM's external_launcher reads these too
-        import socket
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(port))
-    backend = "gloo"
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        backend = "cpu:gloo,cuda:nccl"
-    torch.distributed.init_process_group(backend, timeout=timedelta(minutes=timeout_min))
-    return _compute_device()
-
-
-def all_gather_objects(obj):
-    """Every rank's obj, and the bytes this rank received (each pickle is padded to the largest)."""
-    import pickle
-    out = [None] * world()
-    torch.distributed.all_gather_object(out, obj)
-    return out, (world() - 1) * (max(len(pickle.dumps(o)) for o in out) + 8)
-
-
-def all_to_all_objects(outgoing):
-    """outgoing[r] goes to rank r. Returns what each rank sent to this one, and the bytes received.
-    Pickles travel as CPU byte tensors (gloo on a cpu:gloo,cuda:nccl group), sizes first."""
-    import pickle
-    blobs = [pickle.dumps(o) for o in outgoing]
-    sizes = torch.tensor([len(b) for b in blobs])
-    in_sizes = torch.empty_like(sizes)
-    torch.distributed.all_to_all_single(in_sizes, sizes)
-    data = torch.empty(int(in_sizes.sum()), dtype=torch.uint8)
-    sent = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8)
-    torch.distributed.all_to_all_single(data, sent, in_sizes.tolist(), sizes.tolist())
-    nbytes = sum(in_sizes.tolist()) - in_sizes[rank()].item() + 8 * (world() - 1)
-    return [pickle.loads(p.numpy().tobytes()) for p in data.split(in_sizes.tolist())], nbytes
-
+# The exchange of samples between ranks (the process group and its collectives: lib/dist.py)
 
 def my_prompts(n, tp):
     """The positions, of n prompts, that this rank's data-parallel vLLM group generates for."""
@@ -863,7 +796,7 @@ def _reload_and_list_missing(worker, weights_iterator):
 def _gather(t, dtype):
     """A full tensor from this rank's shard, cast (and moved to the accelerator) before the gather,
     which then moves fewer bytes. A collective: every rank calls it, in the same order."""
-    return _full(t.to(device=_compute_device(), dtype=dtype))
+    return full_tensor(t.to(device=compute_device(), dtype=dtype))
 
 
 def sync_weights(model, llm, skip=()):
@@ -1119,7 +1052,7 @@ def clip_gradients(run, loss):
     where it or the loss is NaN/inf on any rank: then no rank steps (AdamW would write it into every
     weight), and --max-nonfinite such steps in a row stop the run."""
     max_norm = run.cfg.grad_clip if run.cfg.grad_clip > 0 else float("inf")
-    norm = float(_full(torch.nn.utils.clip_grad_norm_(run.model.parameters(), max_norm)))
+    norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(run.model.parameters(), max_norm)))
     finite = torch.tensor(float(math.isfinite(loss) and math.isfinite(norm)))
     torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
     streak = 0 if finite.item() else run.state.get("nonfinite_streak", 0) + 1
@@ -1169,7 +1102,7 @@ def load_hf_weights(model, path):
     keeps the parameters in CPU RAM): every rank receives only its own shard. Every rank calls this."""
     from safetensors.torch import load_file
     from torch.distributed.tensor import distribute_tensor
-    params, dev = model.state_dict(), _compute_device()
+    params, dev = model.state_dict(), compute_device()
     msg = [None, []]  # rank 0 checks names and shapes first, so that every rank fails alike
     if rank() == 0:
         try:
@@ -1289,17 +1222,6 @@ RESUMABLE = {"steps", "out_dir", "resume", "eval_only", "eval_every", "eval_samp
              "vllm_sleep", "save_dtype", "hf_shard_gb", "attn_impl", "max_sync_diff", "deterministic"}
 
 
-def _step_dirs(root):
-    return sorted(d for d in os.listdir(root) if re.fullmatch(r"step_\d+", d)) if os.path.isdir(root) else []
-
-
-def latest_checkpoint(out_dir):
-    """The newest complete checkpoint (renamed, with state.json), or None."""
-    root = os.path.join(out_dir, "checkpoints")
-    done = [d for d in _step_dirs(root) if os.path.exists(os.path.join(root, d, "state.json"))]
-    return os.path.join(root, done[-1]) if done else None
-
-
 def check_resume(saved, cfg):
     """Refuse to resume under a config that would silently change the run. A field the checkpoint
     predates (a newer dapo.py, or a fork's) counts as its default, with a note."""
@@ -1343,7 +1265,7 @@ def save_checkpoint(run, step):
             json.dump(run.state, f)
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)  # the commit point
-        for d in _step_dirs(root)[:-cfg.keep_checkpoints]:
+        for d in step_dirs(root)[:-cfg.keep_checkpoints]:
             shutil.rmtree(os.path.join(root, d))
     torch.distributed.barrier()
 
@@ -1383,112 +1305,7 @@ def run_record(cfg, device):
 
 
 # -----------------------------------------------------------------------------------------
-# Checks of the config, the data and the model, before anything slow starts
-
-TIS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-
-
-def field_range(help):
-    """A numeric field's range, from the braces in its comment: {>= 1}, {> 0}, {(0, 1]} or {[0, 1]},
-    each optionally followed by ': why'. None: >= 0. Returns (low, low open?, high or None, spec, why)."""
-    m = re.search(r"\{([^{}:]*)(?::\s*([^{}]*))?\}", help)
-    if not m:
-        return 0.0, False, None, ">= 0", ""
-    spec, why = m.group(1).strip(), f" ({m.group(2).strip()})" if m.group(2) else ""
-    if spec.startswith(">"):
-        return float(spec.lstrip(">= ")), not spec.startswith(">="), None, spec, why
-    low, high = spec[1:-1].split(",")
-    return float(low), spec.startswith("("), float(high), spec, why
-
-
-def _out_of_range(flag, value, help):
-    """Why a numeric field's value is refused, or None."""
-    low, open_low, high, spec, why = field_range(help)
-    inside = (value > low if open_low else value >= low) and (high is None or value <= high)
-    if math.isfinite(value) and inside:
-        return None
-    if high is not None:
-        return f"{flag} must lie in {spec} (got {value})"
-    if open_low and low == 0:
-        return f"{flag} must be positive (got {value})"
-    return f"{flag} must be {f'at least {low:g}' if low else '>= 0'}{why} (got {value})"
-
-
-def _ignored(cfg):
-    """The settings cfg.loss has no use for, given at other than their defaults: the shared flags its LOSSES
-    entry ignores, and another loss's own settings (the Config fields named after it)."""
-    default, ignores = type(cfg)(), LOSSES.get(cfg.loss, {}).get("ignores", ())
-    out = []
-    for f in dataclasses.fields(cfg):
-        value, owner = getattr(cfg, f.name), next((k for k in LOSSES if f.name.startswith(k + "_")), cfg.loss)
-        if (f.name in ignores or owner != cfg.loss) and value != getattr(default, f.name):
-            given = "--" + ("no-" if value is False else "") + f.name.replace("_", "-")
-            given += "" if isinstance(value, bool) else f" {value}"
-            out.append(f"{given} has no effect under --loss {cfg.loss}: drop it" +
-                       (f", or pass --loss {owner}" if owner != cfg.loss else ""))
-    return out
-
-
-def check_config(cfg):
-    """Refuse, in one line naming each flag, its value and the range it must lie in, settings that cannot
-    run or would silently train wrongly: every numeric field finite and in the range its comment gives
-    (field_range), no setting the chosen --loss ignores, and the rules below."""
-    helps = field_helps(type(cfg))
-    problems = [_out_of_range("--" + f.name.replace("_", "-"), getattr(cfg, f.name), helps.get(f.name, ""))
-                for f in dataclasses.fields(cfg) if type(getattr(cfg, f.name)) in (int, float)]
-    ws = int(os.environ.get("WORLD_SIZE", "1"))
-    rules = [
-        (cfg.task not in ("add", "carry"), f"--task must be add or carry, not {cfg.task!r}"),
-        (cfg.loss not in LOSSES, f"--loss must be one of {', '.join(LOSSES)}, not {cfg.loss!r}"),
-        (cfg.attn_impl not in ("", "flex_attention", "flash_attention_2", "sdpa"),
-         f"--attn-impl must be flex_attention, flash_attention_2 or sdpa, not {cfg.attn_impl!r}"),
-        (cfg.attn_impl == "flash_attention_2" and not importlib.util.find_spec("flash_attn"),
-         "--attn-impl flash_attention_2 needs the flash-attn package (pip install flash-attn)"),
-        (cfg.save_dtype not in ("bfloat16", "float32"),
-         f"--save-dtype must be bfloat16 or float32, not {cfg.save_dtype!r}"),
-        (cfg.dual_clip < 0 or 0 < cfg.dual_clip <= 1,
-         f"--dual-clip {cfg.dual_clip} would zero the gradient of every A < 0 token: give c > 1 (the "
-         f"reference run used 10) or 0 for off"),
-        (cfg.tis_mode not in TIS_MODES,
-         f"--tis-mode must be one of {', '.join(TIS_MODES)}, not {cfg.tis_mode!r}"),
-        (cfg.tis_cap < 0 or 0 < cfg.tis_cap < 1,
-         f"--tis-cap must be 0 (off) or at least 1 (verl and TRL use 2 and 3), not {cfg.tis_cap}"),
-        (cfg.tis_min > 0 and not cfg.tis_cap, f"--tis-min {cfg.tis_min} needs --tis-cap: 0 turns rollout "
-                                              f"correction off"),
-        (cfg.tis_cap and cfg.tis_min >= cfg.tis_cap,
-         f"--tis-min {cfg.tis_min} must lie below --tis-cap {cfg.tis_cap}: no weight would be in bounds"),
-        (cfg.top_p != 1.0, f"--top-p {cfg.top_p} in training biases the importance ratio (the old log-probs "
-                           f"ignore the truncation): use 1.0; --eval-top-p sets evaluation"),
-    ]
-    if not any(problems) and not cfg.eval_only:  # these need valid numbers, and matter for training
-        rules += [
-            (ws % cfg.tp_size, f"--tp-size {cfg.tp_size} does not divide the {ws} ranks"),
-            ((cfg.prompts_per_step * cfg.group_size) % (cfg.num_mini_batches * ws),
-             f"the batch of {cfg.prompts_per_step} x {cfg.group_size} responses does not split into "
-             f"{cfg.num_mini_batches} mini-batches x {ws} ranks"),
-            (cfg.soft_overlong_punishment and not 0 < cfg.overlong_cache_len < cfg.max_response_len,
-             "--overlong-cache-len must lie between 0 and --max-response-len"),
-        ]
-    problems = [p for p in problems if p] + [message for broken, message in rules if broken]
-    if cfg.loss in LOSSES:
-        problems += _ignored(cfg)
-    if problems:
-        raise DapoError("; ".join(problems))
-
-
-def cpu_batch_note(cfg):
-    """One line for a CPU user whose --model runs with the 32B recipe's batch, or None."""
-    recipe = [getattr(Config, k) for k in ("prompts_per_step", "group_size", "max_response_len")]
-    if not cfg.model or torch.cuda.is_available() or [cfg.prompts_per_step, cfg.group_size,
-                                                      cfg.max_response_len] != recipe:
-        return None
-    n = cfg.prompts_per_step * cfg.group_size
-    return (f"note: no GPU, and the batch is the 32B recipe's: one step generates and trains {n:,} responses "
-            f"of up to {cfg.max_response_len:,} tokens ({n * cfg.max_response_len / 1e6:.0f}M tokens); "
-            f"on a CPU "
-            f"shrink it with --prompts-per-step, --group-size, --gen-batch-size, --max-response-len and "
-            f"--num-mini-batches (python dapo.py --help shows a set for a ~100M model on a laptop)")
-
+# The data, and the checks before anything slow starts (their rules: lib/check_data.py)
 
 def encode_prompt(tokenizer, prompt):
     """Token ids of a prompt; the chat template is applied when the tokenizer has one."""
@@ -1629,7 +1446,7 @@ def set_up(cfg):
     run = types.SimpleNamespace(cfg=cfg, ckpt=ckpt, state=state, path=path, device=device,
                                 tokenizer=tokenizer, train_rows=train_rows, train_ids=train_ids,
                                 eval_rows=eval_rows, eval_ids=eval_ids)
-    run.llm = _RUN["llm"] = start_engine(cfg, path, device, dummy_weights=not cfg.eval_only)
+    run.llm = interrupt.STATE["llm"] = start_engine(cfg, path, device, dummy_weights=not cfg.eval_only)
     if cfg.eval_only:
         return run
     random.seed(cfg.seed + rank())  # constructing LLM re-seeds the global RNGs; seed after it
@@ -1656,9 +1473,9 @@ def progress(run):
     start = run.state["step"]
     run.bar = tqdm(range(start, run.cfg.steps), desc="DAPO", disable=rank() != 0, dynamic_ncols=True,
                    initial=start, total=run.cfg.steps)
-    _RUN["bar"] = run.bar  # for the Ctrl-C message (see main)
+    interrupt.STATE["bar"] = run.bar  # for the Ctrl-C message (lib/interrupt.py)
     for step in run.bar:
-        _RUN["step"] = step + 1
+        interrupt.STATE["step"] = step + 1
         yield step
     run.bar.close()
 
@@ -1709,137 +1526,32 @@ def log_step(run, step, m, every, samples, lr, ticks, evals):
 
 
 # -----------------------------------------------------------------------------------------
-# Ctrl-C: the first stops the run and says how to resume it; the second exits at once
-
-_RUN = {}  # the step in progress and its progress bar, for the message; the engine, for _shut_down
-
-
-def _kill_children(root=None):
-    """Kill every process this one (or root) started, grandchildren included (reward workers, whatever
-    vLLM or torch spawned, in any session): all are found first, since a kill re-parents grandchildren."""
-    root = root or os.getpid()
-    parent = {}
-    for pid in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            with open(f"/proc/{pid}/stat") as f:
-                parent[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])
-    family, new = set(), {root}
-    while new:
-        family |= new
-        new = {p for p, pp in parent.items() if pp in family} - family
-    for pid in family - {os.getpid()}:
-        with contextlib.suppress(OSError):
-            os.kill(pid, 9)  # SIGKILL
-
-
-def _resume_command(argv):
-    """The user's own command line, plus --resume."""
-    import shlex
-    args = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--no-resume"]
-    args += [] if "--resume" in args else ["--resume"]
-    script = sys.argv[0] if sys.argv[0].endswith(".py") else "dapo.py"
-    ws = int(os.environ.get("WORLD_SIZE", "1"))
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", ws))
-    launch = ["python"]
-    if ws > 1:
-        launch = ["torchrun", f"--nproc_per_node={per_node}"]
-        if ws > per_node:
-            launch.append(f"--nnodes={ws // per_node}")
-    return shlex.join(launch + [script] + args)
-
-
-def _exit_interrupted(cfg):
-    """Rank 0 says, once, where the run stopped and how to resume it; then exit 130, leaving nothing
-    running. os.write and os._exit: safe from any thread, and never stuck on vLLM's or torch's threads."""
-    if os.environ.get("RANK", "0") == "0" and not _RUN.get("said"):
-        _RUN["said"] = True
-        step, ckpt = _RUN.get("step"), latest_checkpoint(cfg.out_dir)
-        msg = f"interrupted at step {step} of {cfg.steps}" if step else "interrupted during start-up"
-        if cfg.eval_only:
-            msg = "interrupted during evaluation"
-        elif ckpt:
-            msg += f"; last complete checkpoint: {ckpt} (resume with: {_RUN['resume']})"
-        else:
-            msg += "; no checkpoint saved yet (--save-every N saves one every N steps)"
-        bar = _RUN.get("bar")
-        newline = "\n" if bar is not None and not bar.disable else ""  # end tqdm's half-drawn line
-        with contextlib.suppress(OSError):
-            os.write(2, f"{newline}{msg}\n".encode())
-    _kill_children()
-    for f in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            f.flush()
-    os._exit(130)
-
-
-def _catch_ctrl_c(cfg):
-    """First SIGINT: KeyboardInterrupt in the main thread, which main() turns into a clean stop, or exits
-    anyway after 15 s. Second SIGINT: exit at once. A thread watches the signal's wakeup fd, so both hold
-    while the main thread is stuck in C code (vLLM, a collective); torchrun forwards a terminal's Ctrl-C to
-    every rank. Returns the function that undoes this."""
-    import select
-    import signal
-    import threading
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    r, w = os.pipe()
-    os.set_blocking(w, False)
-
-    def on_sigint(signum, frame):
-        _RUN["handled"] = _RUN.get("handled", 0) + 1
-        _RUN["stopping"] = True
-        if _RUN["handled"] == 1:
-            raise KeyboardInterrupt
-        _exit_interrupted(cfg)  # the second; the watcher normally gets here first
-
-    def watch():
-        deadline = None
-        while True:
-            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not select.select([r], [], [], wait)[0]:
-                _exit_interrupted(cfg)  # the clean stop is taking too long
-            data = os.read(r, 64)
-            if not data:  # main() is done: the write end was closed
-                return os.close(r)
-            for _ in range(data.count(bytes([signal.SIGINT]))):
-                if deadline is not None:
-                    _exit_interrupted(cfg)
-                _RUN["stopping"], deadline = True, time.monotonic() + 15
-
-    old_handler, old_fd = signal.signal(signal.SIGINT, on_sigint), signal.set_wakeup_fd(w)
-    threading.Thread(target=watch, daemon=True, name="ctrl-c").start()
-
-    def undo():
-        signal.set_wakeup_fd(old_fd)
-        signal.signal(signal.SIGINT, old_handler)
-        os.close(w)
-    return undo
-
+# The end of a run (Ctrl-C lives in lib/interrupt.py)
 
 def _shut_down():
     """After a successful run every rank meets; then vLLM tears down its engine and its process groups,
     the default one last, here rather than in an exit hook after some rank has already gone."""
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
-    if "llm" in _RUN:
-        _RUN.pop("llm").llm_engine.engine_core.shutdown()
+    if "llm" in interrupt.STATE:
+        interrupt.STATE.pop("llm").llm_engine.engine_core.shutdown()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
 
 def main(argv=None):
     cfg = parse_config(argv)
-    _RUN.clear()
-    _RUN["resume"] = _resume_command(argv)  # now: vLLM's CPU backend rewrites LOCAL_WORLD_SIZE
-    undo = _catch_ctrl_c(cfg)
+    interrupt.STATE.clear()
+    interrupt.STATE["resume"] = interrupt.resume_command(argv)  # now: vLLM's CPU backend rewrites LOCAL_WORLD_SIZE
+    undo = interrupt.catch_ctrl_c(cfg)  # Ctrl-C: a clean stop that says how to resume; twice: exit
     try:
         train(cfg)
         _shut_down()
     except BaseException as e:
-        if _RUN.get("stopping"):  # after a Ctrl-C, whatever unwinds (KeyboardInterrupt, a broken collective)
+        if interrupt.STATE.get("stopping"):  # after a Ctrl-C, whatever unwinds (KeyboardInterrupt, ...)
             with contextlib.suppress(Exception):
-                _RUN["bar"].close()
-            _exit_interrupted(cfg)
+                interrupt.STATE["bar"].close()
+            interrupt.exit_interrupted(cfg)
         if not isinstance(e, DapoError):
             raise
         print(f"error: {e}", file=sys.stderr, flush=True)

@@ -13,9 +13,12 @@ input prints what it holds; a bad one prints one line naming the file, the row a
 exits 2.
 """
 
+import dataclasses
+import importlib.util
 import json
 import math
 import os
+import re
 import sys
 
 
@@ -293,6 +296,18 @@ def check_weights(path, shapes, tied=False):
     return files
 
 
+def step_dirs(root):
+    """The step_N folders under a run's checkpoints/, oldest first."""
+    return sorted(d for d in os.listdir(root) if re.fullmatch(r"step_\d+", d)) if os.path.isdir(root) else []
+
+
+def latest_checkpoint(out_dir):
+    """The newest complete checkpoint (renamed, with state.json), or None."""
+    root = os.path.join(out_dir, "checkpoints")
+    done = [d for d in step_dirs(root) if os.path.exists(os.path.join(root, d, "state.json"))]
+    return os.path.join(root, done[-1]) if done else None
+
+
 def check_checkpoint(ckpt, eval_only=False):
     """Fail in one line, before anything slow starts, on a checkpoint with a file missing or cut short."""
     import torch.distributed.checkpoint as dcp
@@ -315,6 +330,127 @@ def check_checkpoint(ckpt, eval_only=False):
         raise InputError(f"cannot resume from {ckpt}: dcp/{bad[0]} is missing or truncated ({len(bad)} of "
                          f"{len(need)} files): delete this checkpoint to resume from the one before")
 
+
+
+# -----------------------------------------------------------------------------------------
+# dapo.py's config: each field's range stands in braces in its comment, beside the field
+
+def field_helps(cls):
+    """Each field of a Config dataclass: its comment (its --help), with the lines below it that start with
+    `#  ` (two spaces)."""
+    import inspect
+    source = "".join(inspect.getsource(c) for c in cls.__mro__ if dataclasses.is_dataclass(c))
+    helps = {}
+    for name, first, more in re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)\n((?:[ \t]+#  .*\n)*)", source, re.M):
+        helps[name] = " ".join([first] + re.findall(r"#\s*(.*)", more))
+    return helps
+
+
+TIS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def field_range(help):
+    """A numeric field's range, from the braces in its comment: {>= 1}, {> 0}, {(0, 1]} or {[0, 1]},
+    each optionally followed by ': why'. None: >= 0. Returns (low, low open?, high or None, spec, why)."""
+    m = re.search(r"\{([^{}:]*)(?::\s*([^{}]*))?\}", help)
+    if not m:
+        return 0.0, False, None, ">= 0", ""
+    spec, why = m.group(1).strip(), f" ({m.group(2).strip()})" if m.group(2) else ""
+    if spec.startswith(">"):
+        return float(spec.lstrip(">= ")), not spec.startswith(">="), None, spec, why
+    low, high = spec[1:-1].split(",")
+    return float(low), spec.startswith("("), float(high), spec, why
+
+
+def _out_of_range(flag, value, help):
+    """Why a numeric field's value is refused, or None."""
+    low, open_low, high, spec, why = field_range(help)
+    inside = (value > low if open_low else value >= low) and (high is None or value <= high)
+    if math.isfinite(value) and inside:
+        return None
+    if high is not None:
+        return f"{flag} must lie in {spec} (got {value})"
+    if open_low and low == 0:
+        return f"{flag} must be positive (got {value})"
+    return f"{flag} must be {f'at least {low:g}' if low else '>= 0'}{why} (got {value})"
+
+
+def _ignored(cfg, losses):
+    """The settings cfg.loss has no use for, given at other than their defaults: the shared flags its
+    LOSSES entry ignores, and another loss's own settings (the Config fields named after it)."""
+    default, ignores = type(cfg)(), losses.get(cfg.loss, {}).get("ignores", ())
+    out = []
+    for f in dataclasses.fields(cfg):
+        value, owner = getattr(cfg, f.name), next((k for k in losses if f.name.startswith(k + "_")), cfg.loss)
+        if (f.name in ignores or owner != cfg.loss) and value != getattr(default, f.name):
+            given = "--" + ("no-" if value is False else "") + f.name.replace("_", "-")
+            given += "" if isinstance(value, bool) else f" {value}"
+            out.append(f"{given} has no effect under --loss {cfg.loss}: drop it" +
+                       (f", or pass --loss {owner}" if owner != cfg.loss else ""))
+    return out
+
+
+def check_config(cfg, losses):
+    """dapo.py's Config: refuse, in one line naming each flag, its value and the range it must lie in,
+    settings that cannot run or would silently train wrongly: every numeric field finite and in the range
+    its comment gives (field_range), no setting the chosen --loss ignores (losses: dapo.py's LOSSES), and
+    the rules below."""
+    helps = field_helps(type(cfg))
+    problems = [_out_of_range("--" + f.name.replace("_", "-"), getattr(cfg, f.name), helps.get(f.name, ""))
+                for f in dataclasses.fields(cfg) if type(getattr(cfg, f.name)) in (int, float)]
+    ws = int(os.environ.get("WORLD_SIZE", "1"))
+    rules = [
+        (cfg.task not in ("add", "carry"), f"--task must be add or carry, not {cfg.task!r}"),
+        (cfg.loss not in losses, f"--loss must be one of {', '.join(losses)}, not {cfg.loss!r}"),
+        (cfg.attn_impl not in ("", "flex_attention", "flash_attention_2", "sdpa"),
+         f"--attn-impl must be flex_attention, flash_attention_2 or sdpa, not {cfg.attn_impl!r}"),
+        (cfg.attn_impl == "flash_attention_2" and not importlib.util.find_spec("flash_attn"),
+         "--attn-impl flash_attention_2 needs the flash-attn package (pip install flash-attn)"),
+        (cfg.save_dtype not in ("bfloat16", "float32"),
+         f"--save-dtype must be bfloat16 or float32, not {cfg.save_dtype!r}"),
+        (cfg.dual_clip < 0 or 0 < cfg.dual_clip <= 1,
+         f"--dual-clip {cfg.dual_clip} would zero the gradient of every A < 0 token: give c > 1 (the "
+         f"reference run used 10) or 0 for off"),
+        (cfg.tis_mode not in TIS_MODES,
+         f"--tis-mode must be one of {', '.join(TIS_MODES)}, not {cfg.tis_mode!r}"),
+        (cfg.tis_cap < 0 or 0 < cfg.tis_cap < 1,
+         f"--tis-cap must be 0 (off) or at least 1 (verl and TRL use 2 and 3), not {cfg.tis_cap}"),
+        (cfg.tis_min > 0 and not cfg.tis_cap, f"--tis-min {cfg.tis_min} needs --tis-cap: 0 turns rollout "
+                                              f"correction off"),
+        (cfg.tis_cap and cfg.tis_min >= cfg.tis_cap,
+         f"--tis-min {cfg.tis_min} must lie below --tis-cap {cfg.tis_cap}: no weight would be in bounds"),
+        (cfg.top_p != 1.0, f"--top-p {cfg.top_p} in training biases the importance ratio (the old log-probs "
+                           f"ignore the truncation): use 1.0; --eval-top-p sets evaluation"),
+    ]
+    if not any(problems) and not cfg.eval_only:  # these need valid numbers, and matter for training
+        rules += [
+            (ws % cfg.tp_size, f"--tp-size {cfg.tp_size} does not divide the {ws} ranks"),
+            ((cfg.prompts_per_step * cfg.group_size) % (cfg.num_mini_batches * ws),
+             f"the batch of {cfg.prompts_per_step} x {cfg.group_size} responses does not split into "
+             f"{cfg.num_mini_batches} mini-batches x {ws} ranks"),
+            (cfg.soft_overlong_punishment and not 0 < cfg.overlong_cache_len < cfg.max_response_len,
+             "--overlong-cache-len must lie between 0 and --max-response-len"),
+        ]
+    problems = [p for p in problems if p] + [message for broken, message in rules if broken]
+    if cfg.loss in losses:
+        problems += _ignored(cfg, losses)
+    if problems:
+        raise InputError("; ".join(problems))
+
+
+def cpu_batch_note(cfg):
+    """One line for a CPU user whose --model runs with the 32B recipe's batch (Config's defaults), or None."""
+    import torch
+    recipe = [getattr(type(cfg), k) for k in ("prompts_per_step", "group_size", "max_response_len")]
+    if not cfg.model or torch.cuda.is_available() or [cfg.prompts_per_step, cfg.group_size,
+                                                      cfg.max_response_len] != recipe:
+        return None
+    n = cfg.prompts_per_step * cfg.group_size
+    return (f"note: no GPU, and the batch is the 32B recipe's: one step generates and trains {n:,} responses "
+            f"of up to {cfg.max_response_len:,} tokens ({n * cfg.max_response_len / 1e6:.0f}M tokens); "
+            f"on a CPU "
+            f"shrink it with --prompts-per-step, --group-size, --gen-batch-size, --max-response-len and "
+            f"--num-mini-batches (python dapo.py --help shows a set for a ~100M model on a laptop)")
 
 
 def main(args):

@@ -1,0 +1,71 @@
+"""
+dist.py: the process group and the collectives dapo.py runs on, on one process or many (torchrun).
+"""
+
+import os
+
+import torch
+
+
+def rank():
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def world():
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def compute_device():
+    return torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
+
+
+def full_tensor(t):
+    """The whole tensor behind an FSDP2 shard (a collective), or t itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def print0(*a, **k):
+    if rank() == 0:
+        print(*a, **k, flush=True)
+
+
+def init_distributed(timeout_min=180.0):
+    """torchrun sets RANK/WORLD_SIZE/...; plain `python dapo.py` becomes a world of one. The timeout
+    bounds every collective of this group; vLLM's own TP groups keep torch's (they run in lockstep)."""
+    from datetime import timedelta
+    if "RANK" not in os.environ:  # vLLM's external_launcher reads these too
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
+    backend = "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        backend = "cpu:gloo,cuda:nccl"
+    torch.distributed.init_process_group(backend, timeout=timedelta(minutes=timeout_min))
+    return compute_device()
+
+
+def all_gather_objects(obj):
+    """Every rank's obj, and the bytes this rank received (each pickle is padded to the largest)."""
+    import pickle
+    out = [None] * world()
+    torch.distributed.all_gather_object(out, obj)
+    return out, (world() - 1) * (max(len(pickle.dumps(o)) for o in out) + 8)
+
+
+def all_to_all_objects(outgoing):
+    """outgoing[r] goes to rank r. Returns what each rank sent to this one, and the bytes received.
+    Pickles travel as CPU byte tensors (gloo on a cpu:gloo,cuda:nccl group), sizes first."""
+    import pickle
+    blobs = [pickle.dumps(o) for o in outgoing]
+    sizes = torch.tensor([len(b) for b in blobs])
+    in_sizes = torch.empty_like(sizes)
+    torch.distributed.all_to_all_single(in_sizes, sizes)
+    data = torch.empty(int(in_sizes.sum()), dtype=torch.uint8)
+    sent = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8)
+    torch.distributed.all_to_all_single(data, sent, in_sizes.tolist(), sizes.tolist())
+    nbytes = sum(in_sizes.tolist()) - in_sizes[rank()].item() + 8 * (world() - 1)
+    return [pickle.loads(p.numpy().tobytes()) for p in data.split(in_sizes.tolist())], nbytes
