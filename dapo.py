@@ -251,9 +251,8 @@ def cispo_token_loss(ratio, logp, adv, eps_low, eps_high):
 
 
 def sapo_token_loss(ratio, adv, tau_pos, tau_neg):
-    """SAPO (arXiv 2511.20347): a soft gate instead of the clip, -sigmoid(τ (r - 1)) 4/τ A (τ_pos where
-    A > 0, else τ_neg). Its gradient is the unclipped one times 4 σ(1 - σ): exactly it at r = 1, fading
-    on both sides. Nothing binds; clip/* report where the gate cut the gradient by over half."""
+    """SAPO (arXiv 2511.20347): the soft gate -sigmoid(τ (r - 1)) 4/τ A (τ_pos if A > 0, else τ_neg) gives the
+    unclipped gradient times 4 σ(1 - σ): 1 at r = 1, fading both sides; clip/*: where it fell under 1/2."""
     tau = torch.full_like(adv, tau_neg).masked_fill(adv > 0, tau_pos)
     gate = torch.sigmoid(tau * (ratio - 1))
     faded = 4 * gate * (1 - gate) < 0.5
@@ -306,10 +305,9 @@ def policy_loss(logp, old_logp, advantages, mask, cfg, norm=None, weight=None, r
 
 
 def tis_weights(old_logp, rollout_logp, mask, cap, mode="token_truncate", floor=0.0):
-    """Rollout correction (verl; TRL's vllm_importance_sampling_mode): vLLM sampled from π_rollout, a
-    little off π_θold, so the loss is weighted by ρ = π_θold / π_rollout per token, or per sequence (the
-    product of its token ratios, a sum of logs): *_truncate clamps ρ to [floor, cap], *_mask zeroes it
-    outside. Returns (the weights, detached, and the shares of tokens and sequences out of bounds)."""
+    """Rollout correction (verl; TRL's vllm_importance_sampling_mode): vLLM samples from π_rollout, a little
+    off π_θold, so the loss is weighted by ρ = π_θold / π_rollout per token or per sequence (the product of
+    its token ratios, as a sum of logs), clamped to [floor, cap] (*_truncate) or zeroed outside (*_mask)."""
     log_w = torch.where(mask.bool(), old_logp - rollout_logp, 0.0)
     if mode.startswith("sequence"):
         log_w = log_w.sum(-1, keepdim=True)
@@ -553,16 +551,17 @@ def evaluate(run, tag):
     idx = list(range(min(len(rows), cfg.eval_max_prompts or len(rows))))
     groups, _ = sample_groups(run, rows, run.eval_ids, idx, k, cfg.eval_temperature, cfg.eval_top_p,
                               (cfg.seed, "eval", tag), answers=True)
-    avg, pas, maj = [], [], []
+    avg, pas, maj, answered = [], [], [], []
     for i, g in zip(idx, groups):
         c = sum(s["correct"] for s in g)
         avg.append(c / k)
         pas.append(pass_at_k(k, c, k))
         maj.append(reward.majority_correct([s["answer"] for s in g], rows[i]["answer"], cfg.reward_timeout,
                                            cfg.reward_workers))  # by equivalence class, time-bounded
+        answered.append(sum(s["answer"] is not None for s in g) / k)  # the answer format followed
     n = len(idx)
     out = {f"eval/avg@{k}": sum(avg) / n, f"eval/pass@{k}": sum(pas) / n, f"eval/maj@{k}": sum(maj) / n,
-           **by_level([rows[i] for i in idx], avg, k)}  # Part 2: the carry task's difficulties
+           **by_level([rows[i] for i in idx], avg, k), "eval/answered": sum(answered) / n}  # by_level: Part 2
     print0(f"eval ({tag}): " + "  ".join(f"{name} {v:.3f}" for name, v in out.items()))
     return out
 
@@ -1542,7 +1541,8 @@ def _shut_down():
 def main(argv=None):
     cfg = parse_config(argv)
     interrupt.STATE.clear()
-    interrupt.STATE["resume"] = interrupt.resume_command(argv)  # now: vLLM's CPU backend rewrites LOCAL_WORLD_SIZE
+    # the resume command, now: vLLM's CPU backend rewrites LOCAL_WORLD_SIZE
+    interrupt.STATE["resume"] = interrupt.resume_command(argv)
     undo = interrupt.catch_ctrl_c(cfg)  # Ctrl-C: a clean stop that says how to resume; twice: exit
     try:
         train(cfg)

