@@ -98,7 +98,7 @@ class Config:
     overlong_cache_len: int = 4096   # L_cache (Eq. 13): the soft-punishment interval
     dual_clip: float = 0.0           # dual-clip PPO's c > 1, bounds the loss if A < 0 (ref. run: 10); 0 = off
     # objectives after DAPO (LOSSES below: each --loss's preset, and the shared flags it ignores)
-    loss: str = "dapo"               # the objective: dapo (Eq. 10/12), or gspo, cispo, dr_grpo, sapo
+    loss: str = "dapo"               # the objective: dapo (Eq. 10/12), or one of LOSSES' later ones
     sapo_tau_pos: float = 1.0        # --loss sapo: the soft gate's temperature τ_pos where A > 0 {> 0}
     sapo_tau_neg: float = 1.05       # --loss sapo: τ_neg, where A <= 0 {> 0}
     kl_coef: float = 0.0             # β: GRPO's k3 KL penalty to the frozen initial policy (DAPO drops it,

