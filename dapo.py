@@ -25,19 +25,22 @@ flag away: --loss gspo|cispo|dr_grpo|sapo, --kl-coef, --tis-mode, --off-policy-m
     python tools/plan.py --model ...                # what each GPU and node will hold
     python tools/gpu_check.py --model ...           # first, on a new GPU machine
 A ~100M-parameter model on a laptop (2 CPU cores: ~30 s a step; python tools/real_model.py gives one):
-    python dapo.py --model DIR --train-data FILE --max-response-len 48 --prompts-per-step 4 \\
-        --group-size 4 --gen-batch-size 4 --no-dynamic-sampling --num-mini-batches 1 \\
-        --micro-batch-size 16 --lr 1e-6 --eval-samples 2
+    python dapo.py --model DIR --train-data FILE --max-response-len 48 --overlong-cache-len 8 \\
+        --prompts-per-step 4 --group-size 4 --gen-batch-size 4 --no-dynamic-sampling \\
+        --num-mini-batches 1 --micro-batch-size 16 --lr 1e-6 --eval-samples 2
 
 Read Part 1: it is DAPO, in the order it runs: the config, the sample record, the maths (Eqs. 9-13 and
 the later objectives), train() (the paper's Algorithm 1), the rollout and its filter, the update,
 evaluation. Part 2, below its banner, is the plumbing (packing, the fp32 head, FSDP2, vLLM, checkpoints,
-checks, Ctrl-C); a function it provides is named where Part 1 calls it. Beside this file: reward.py
-(the answer checker, Eq. 7), lib/ (what this file imports) and tools/ (scripts that import this file).
+logs); a function it provides is named where Part 1 calls it. Beside this file: reward.py (the answer
+checker, Eq. 7), lib/ (what this file imports: the checks, the process group, Ctrl-C, the demo model) and
+tools/ (scripts that import this file).
 """
 
+import atexit
 import contextlib
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -1446,6 +1449,8 @@ def set_up(cfg):
                                 tokenizer=tokenizer, train_rows=train_rows, train_ids=train_ids,
                                 eval_rows=eval_rows, eval_ids=eval_ids)
     run.llm = interrupt.STATE["llm"] = start_engine(cfg, path, device, dummy_weights=not cfg.eval_only)
+    if not gc.isenabled():  # started as a script (the end of this file), whose start is over
+        gc.enable()
     if cfg.eval_only:
         return run
     random.seed(cfg.seed + rank())  # constructing LLM re-seeds the global RNGs; seed after it
@@ -1561,4 +1566,9 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    gc.disable()  # until set_up has started vLLM: importing and loading make few short-lived objects, and
+    main()        # collections would scan the growing heap ~10 times (~3 s on 2 CPU cores). Errors exit here.
+    atexit._run_exitfuncs()  # done: run the exit hooks, then skip the interpreter's teardown, whose last
+    sys.stdout.flush()       # garbage collection of torch's and vLLM's heap takes ~4 s on 2 CPU cores
+    sys.stderr.flush()
+    os._exit(0)

@@ -2269,14 +2269,26 @@ def _dapo(*args):
     return _run([sys.executable, "dapo.py", *E2E_ARGS, *args], timeout=900)
 
 
-def test_end_to_end_single_process(tmp_path):
+# One process, 4 steps, saved after each: test_end_to_end_single_process checks the run, and
+# test_resume_after_a_failed_save_reproduces_a_straight_run resumes a run that fails to save against it.
+STRAIGHT = ["--steps", "4", "--warmup-steps", "2", "--save-every", "1", "--keep-checkpoints", "3",
+            "--hf-shard-gb", "0.0002", "--kl-coef", "0.05"]  # the KL reference: see the resume test
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("straight")
+    return out_dir, _dapo(*STRAIGHT, "--out-dir", str(out_dir))
+
+
+def test_end_to_end_single_process(straight_run):
     """Also the learning-rate warm-up over rollout steps (--warmup-steps 2: lr/2, then lr), and the run
     record holding the values actually used (the demo preset's, the flags given)."""
-    out = _dapo("--steps", "3", "--warmup-steps", "2", "--out-dir", str(tmp_path))
+    out_dir, out = straight_run
     assert out.returncode == 0, out.stderr[-4000:]
-    _check_run(str(tmp_path), out.stdout)
-    assert [json.loads(x)["lr"] for x in open(tmp_path / "metrics.jsonl")] == [2.5e-4, 5e-4, 5e-4]
-    used = json.load(open(tmp_path / "run.json"))["config"]
+    _check_run(str(out_dir), out.stdout, steps=4)
+    assert [json.loads(x)["lr"] for x in open(out_dir / "metrics.jsonl")] == [2.5e-4, 5e-4, 5e-4, 5e-4]
+    used = json.load(open(out_dir / "run.json"))["config"]
     assert used["warmup_steps"] == 2 and used["group_size"] == dapo.DEMO["group_size"] and used["loss"] == "dapo"
     assert out.stdout.startswith("presets: --task add (")
 
@@ -2409,9 +2421,14 @@ def _word_problems(path, held_out):
     return str(path)
 
 
-REAL_ARGS = ["--max-prompt-len", "256", "--max-response-len", "32", "--overlong-cache-len", "8",
-             "--prompts-per-step", "2", "--group-size", "2", "--gen-batch-size", "2", "--no-dynamic-sampling",
-             "--num-mini-batches", "1", "--micro-batch-size", "4", "--lr", "1e-4", "--warmup-steps", "1",
+# The base model rarely writes an `Answer:` line, so its rewards are often all equal and GRPO's advantages all 0:
+# no update, and nothing for the sync to carry. This run rewards each response by its length in characters
+# (a fork's one-line change), which differs within a group, and trains truncated responses too.
+VARIED_REWARD = ("import gc, sys, torch, dapo; gc.disable(); sys.argv[0] = 'dapo.py'; dapo.shape_rewards = "
+                 "lambda samples, cfg: torch.tensor([len(s['text']) / 100 for s in samples]); dapo.main()")
+REAL_ARGS = ["--no-overlong-filtering", "--max-prompt-len", "256", "--max-response-len", "32",
+             "--overlong-cache-len", "8", "--prompts-per-step", "2", "--group-size", "2", "--gen-batch-size", "2",
+             "--no-dynamic-sampling", "--num-mini-batches", "1", "--micro-batch-size", "4", "--lr", "1e-4", "--warmup-steps", "1",
              "--eval-samples", "2", "--eval-max-prompts", "4", "--log-samples", "4"]
 
 
@@ -2421,16 +2438,16 @@ def test_a_real_pretrained_model_through_the_whole_loop(real_model, tmp_path):
     to a second, saved in the default bf16. Every prompt starts with the chat template's tokens; some
     responses stop at the model's EOS before the length limit; after the update (saved, resumed, synced)
     vLLM's log-probs equal the trainer's (mean gap < 1e-4), while the update moved them far more; the exports
-    reload in transformers holding the trainer's fp32 weights bit for bit (fp32) or those rounded to bf16
-    (bf16), with the same logits; evaluation reports avg@k, pass@k and maj@k."""
+    hold the trainer's fp32 weights bit for bit (fp32: reloaded in transformers, the same logits) or those
+    rounded to bf16 (bf16); evaluation reports avg@k, pass@k and maj@k. Rewards: VARIED_REWARD."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(real_model)
     eos = json.load(open(os.path.join(real_model, "generation_config.json")))["eos_token_id"]
     assert tok.eos_token == "<|im_end|>" and eos == tok.convert_tokens_to_ids("<|im_end|>")
     data = [_word_problems(tmp_path / f"{name}.jsonl", held) for held, name in enumerate(("train", "eval"))]
-    base = ["dapo.py", "--model", real_model, "--train-data", data[0], "--eval-data", data[1], *REAL_ARGS,
-            "--out-dir", str(tmp_path / "run")]
+    base = ["-c", VARIED_REWARD, "--model", real_model, "--train-data", data[0], "--eval-data", data[1],
+            *REAL_ARGS, "--out-dir", str(tmp_path / "run")]
     t0 = time.monotonic()
     first = _run([sys.executable, *base, "--steps", "1", "--save-dtype", "float32"], timeout=900)
     assert first.returncode == 0, first.stderr[-4000:]
@@ -2460,9 +2477,11 @@ def test_a_real_pretrained_model_through_the_whole_loop(real_model, tmp_path):
         assert saved.keys() == trainer.keys() - {"lm_head.weight"}   # tied: stored once
         for k, v in saved.items():
             assert torch.equal(v, trainer[k] if exact else trainer[k].bfloat16()), k
+        if not exact:
+            continue  # bit for bit the trainer's, rounded: transformers loads such files as they are (tested above)
         hf = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
         ref = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
-        ref.load_state_dict({k: v if exact else v.bfloat16().float() for k, v in trainer.items()})
+        ref.load_state_dict(trainer)
         with torch.no_grad():
             assert torch.equal(hf(ids).logits, ref(ids).logits)
     moved = _logprob_change(real_model, str(ckpts / "step_000001" / "model"), ids)
@@ -2853,7 +2872,7 @@ dapo.main()
 """
 
 
-def test_resume_after_a_failed_save_reproduces_a_straight_run(tmp_path):
+def test_resume_after_a_failed_save_reproduces_a_straight_run(straight_run, tmp_path):
     """4 straight steps, against a run whose real save_checkpoint fails midway at step 3 (the rename,
     its commit point, raises): the previous checkpoint is the latest complete one, and --resume in the
     same directory continues from it. The logs are trimmed back to step 2, so each step appears once;
@@ -2861,10 +2880,7 @@ def test_resume_after_a_failed_save_reproduces_a_straight_run(tmp_path):
     Also: keeping the last K checkpoints, and an eval-only run through vLLM of a saved checkpoint's
     bf16 Hugging Face export, split into several files by a small --hf-shard-gb. With --kl-coef, so that a
     reference reloaded from the checkpoint instead of the original model would change steps 3-4."""
-    a, b = tmp_path / "straight", tmp_path / "resumed"
-    args = ["--steps", "4", "--save-every", "1", "--keep-checkpoints", "3", "--hf-shard-gb", "0.0002",
-            "--kl-coef", "0.05"]   # the reference must come back from the original model, not the checkpoint
-    out = _dapo(*args, "--out-dir", str(a))
+    (a, out), b, args = straight_run, tmp_path / "resumed", STRAIGHT
     assert out.returncode == 0, out.stderr[-4000:]
     assert sorted(os.listdir(a / "checkpoints")) == ["step_000002", "step_000003", "step_000004"]
     script = tmp_path / "save_fails.py"
@@ -3006,6 +3022,13 @@ def test_a_cpu_run_with_the_recipe_batch_is_told_what_a_step_means(tmp_path, cap
                                       "--max-response-len", "64", "--overlong-cache-len", "16"]))
     dapo.preflight(dapo.parse_config([]))
     assert capsys.readouterr().out == ""
+    # the worked set of flags for a ~100M model on a laptop, as --help shows it, passes every check
+    laptop = dapo.__doc__.split("model on a laptop")[1].split("\n\n")[0].split("\n", 1)[1]
+    flags = laptop.replace("\\", " ").split()[2:]                        # after "python dapo.py"
+    flags[flags.index("DIR")], flags[flags.index("FILE")] = model, "x.jsonl"
+    cfg = dapo.parse_config(flags)
+    dapo.check_config(cfg)
+    assert dapo.cpu_batch_note(cfg) is None and "--overlong-cache-len" in flags
 
 
 def test_interrupted_save_leaves_the_previous_checkpoint(tmp_path):

@@ -11,6 +11,7 @@ the CPU and names each check it skips; more dapo.py flags can follow.
 """
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -133,4 +134,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    gc.disable()  # as dapo.py's own start: set_up turns it back on once vLLM is up
     main()
