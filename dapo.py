@@ -139,8 +139,8 @@ class Config:
     max_sync_diff: float = 0.1       # stop if the trainer's and vLLM's log-probs differ by more; 0 = off
     #   (mean over the kept samples' tokens, nats: healthy bf16 runs report ~0.01-0.04, a broken sync 0.3+)
     collective_timeout_min: float = 180.0  # minutes a rank may wait in a collective (torch: 30) {> 0}
-    deterministic: bool = False      # vLLM's batch-invariant kernels and torch's deterministic algorithms
-    #  (CPU runs are deterministic already)
+    deterministic: bool = False      # vLLM's batch-invariant kernels (CUDA) and torch's deterministic
+    #  algorithms (CPU runs are deterministic already)
     # run
     steps: int = 200                 # rollout steps {>= 1}
     seed: int = 0                    # everything random derives from this (>= 0)
@@ -1430,9 +1430,10 @@ def set_up(cfg):
     and the log files. Returns the run: everything the loop needs."""
     from transformers import AutoTokenizer
     ckpt, state, data = preflight(cfg)
-    if cfg.deterministic:  # before vLLM is imported: it reads the variable once, at import
-        os.environ["VLLM_BATCH_INVARIANT"] = "1"
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (CUDA)
+    if cfg.deterministic:
+        if torch.cuda.is_available():  # vLLM's batch-invariant kernels are Triton's, for GPUs only; it
+            os.environ["VLLM_BATCH_INVARIANT"] = "1"  # reads the variable once, at import (below)
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
         torch.use_deterministic_algorithms(True)
     device = init_distributed(cfg.collective_timeout_min)
     applied = [f"{name} ({', '.join(f'{k}={v}' for k, v in p.items() if getattr(cfg, k) == v)})"
@@ -1567,8 +1568,12 @@ def main(argv=None):
 
 if __name__ == "__main__":
     gc.disable()  # until set_up has started vLLM: importing and loading make few short-lived objects, and
-    main()        # collections would scan the growing heap ~10 times (~3 s on 2 CPU cores). Errors exit here.
-    atexit._run_exitfuncs()  # done: run the exit hooks, then skip the interpreter's teardown, whose last
+    try:          # collections would scan the growing heap ~10 times (~3 s on 2 CPU cores)
+        main()
+        code = 0
+    except SystemExit as e:  # a one-line error (main says it; argparse's own exit included)
+        code = e.code or 0
+    atexit._run_exitfuncs()  # run the exit hooks, then skip the interpreter's teardown, whose last
     sys.stdout.flush()       # garbage collection of torch's and vLLM's heap takes ~4 s on 2 CPU cores
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)

@@ -1207,13 +1207,19 @@ def test_gradient_2_ranks_x_2_micro_batches_equals_1_process(tiny_model, tmp_pat
             assert scale > 1e-3
 
 
+_GRADS = {}  # (model, settings, ranks) -> (gradients, stdout): tests that need the same run share it
+
+
 def _grads(model_dir, out, *args, nproc=1):
-    if nproc == 1:
-        r = _run([sys.executable, "test_dapo.py", "grad", model_dir, out, *map(str, args)], timeout=300)
-    else:
-        r = _torchrun(nproc, "test_dapo.py", "grad", model_dir, out, *map(str, args))
-    assert r.returncode == 0, r.stderr[-3000:]
-    return torch.load(out), r.stdout
+    key = (model_dir, tuple(map(str, args)), nproc)
+    if key not in _GRADS:
+        if nproc == 1:
+            r = _run([sys.executable, "test_dapo.py", "grad", model_dir, out, *key[1]], timeout=300)
+        else:
+            r = _torchrun(nproc, "test_dapo.py", "grad", model_dir, out, *key[1])
+        assert r.returncode == 0, r.stderr[-3000:]
+        _GRADS[key] = torch.load(out), r.stdout
+    return _GRADS[key]
 
 
 def test_token_budget_and_checkpointing_give_the_same_gradient(tiny_model, tmp_path):
@@ -1721,25 +1727,36 @@ class Probe(importlib.abc.MetaPathFinder):  # the first import of vllm: record, 
 
 sys.meta_path.insert(0, Probe())
 import dapo
-try:
-    dapo.main(sys.argv[1:])
-except BaseException as e:
-    print(json.dumps(dict(seen, stopped=str(e))))
+real = torch.cuda.is_available, dapo.init_distributed
+for where, flag in (("cuda", "--deterministic"), ("cuda", "--no-deterministic"), ("cpu", "--deterministic")):
+    seen.clear()
+    os.environ["VLLM_BATCH_INVARIANT"] = ""
+    torch.use_deterministic_algorithms(False)
+    if where == "cuda":  # as if on a GPU machine, up to the first import of vllm
+        torch.cuda.is_available, dapo.init_distributed = lambda: True, lambda timeout_min: torch.device("cuda", 0)
+    else:
+        torch.cuda.is_available, dapo.init_distributed = real
+    try:
+        dapo.main(sys.argv[1:] + [flag])
+    except BaseException as e:
+        print(json.dumps(dict(seen, where=where, flag=flag, stopped=str(e))))
 """
 
 
 def test_deterministic_is_set_before_vllm_is_imported(tiny_model):
-    """--deterministic: VLLM_BATCH_INVARIANT=1 is in the environment at the first import of vLLM (which
-    reads it then), and torch's deterministic algorithms are on; without the flag, neither. CPU runs are
-    deterministic already, so this checks the wiring only (docs/gpu.md says what a GPU would show)."""
+    """--deterministic: on a GPU machine (CUDA faked up to the first import of vLLM) VLLM_BATCH_INVARIANT=1
+    is in the environment when vLLM is first imported (it reads it then), and torch's deterministic
+    algorithms are on; on CPU only torch's (vLLM's batch-invariant kernels are Triton's, for GPUs: on the
+    CPU backend they fail in the first forward); without the flag, neither. CPU runs are deterministic
+    already, so this checks the wiring only (docs/gpu.md says what a GPU would show)."""
+    out = _run([sys.executable, "-c", _DETERMINISTIC_PROBE, "--model", tiny_model, "--max-prompt-len", "16",
+                "--max-response-len", "8"], timeout=300)
     got = {}
-    for flag in ("--deterministic", "--no-deterministic"):
-        out = _run([sys.executable, "-c", _DETERMINISTIC_PROBE, "--model", tiny_model, "--max-prompt-len", "16",
-                    "--max-response-len", "8", flag], timeout=300, env=dict(os.environ, VLLM_BATCH_INVARIANT=""))
-        got[flag] = json.loads(out.stdout.strip().splitlines()[-1])
-        assert "first import of vllm" in got[flag]["stopped"], (out.stdout[-2000:], out.stderr[-2000:])
-    assert got["--deterministic"]["env"] == "1" and got["--deterministic"]["torch"] is True
-    assert got["--no-deterministic"]["env"] == "" and got["--no-deterministic"]["torch"] is False
+    for row in (json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")):
+        assert "first import of vllm" in row["stopped"], (out.stdout[-2000:], out.stderr[-2000:])
+        got[row["where"], row["flag"]] = row["env"], row["torch"]
+    assert got == {("cuda", "--deterministic"): ("1", True), ("cuda", "--no-deterministic"): ("", False),
+                   ("cpu", "--deterministic"): ("", True)}
 
 
 def test_help_states_what_zero_means():
@@ -2352,7 +2369,7 @@ def test_carry_task_solutions_levels_and_split(tmp_path):
 def test_end_to_end_carry_task_reports_each_level(tmp_path):
     """Also a post-DAPO objective end to end (--loss gspo, with its preset)."""
     out = _dapo("--task", "carry", "--loss", "gspo", "--demo-sft-target", "0.0", "--no-dynamic-sampling", "--steps",
-                "2", "--max-response-len", "48", "--overlong-cache-len", "8", "--eval-max-prompts", "2000",
+                "2", "--max-response-len", "24", "--overlong-cache-len", "8", "--eval-max-prompts", "2000",
                 "--eval-samples", "1", "--out-dir", str(tmp_path))
     assert out.returncode == 0, out.stderr[-4000:]
     after = next(x for x in out.stdout.splitlines() if x.startswith("eval (after)"))
@@ -2425,7 +2442,8 @@ def _word_problems(path, held_out):
 # no update, and nothing for the sync to carry. This run rewards each response by its length in characters
 # (a fork's one-line change), which differs within a group, and trains truncated responses too.
 VARIED_REWARD = ("import gc, sys, torch, dapo; gc.disable(); sys.argv[0] = 'dapo.py'; dapo.shape_rewards = "
-                 "lambda samples, cfg: torch.tensor([len(s['text']) / 100 for s in samples]); dapo.main()")
+                 "lambda samples, cfg: torch.tensor([len(s['text']) / 100 for s in samples]); dapo.main(); "
+                 "import atexit, os; atexit._run_exitfuncs(); sys.stdout.flush(); os._exit(0)")  # as dapo.py ends
 REAL_ARGS = ["--no-overlong-filtering", "--max-prompt-len", "256", "--max-response-len", "32",
              "--overlong-cache-len", "8", "--prompts-per-step", "2", "--group-size", "2", "--gen-batch-size", "2",
              "--no-dynamic-sampling", "--num-mini-batches", "1", "--micro-batch-size", "4", "--lr", "1e-4", "--warmup-steps", "1",
@@ -2434,30 +2452,29 @@ REAL_ARGS = ["--no-overlong-filtering", "--max-prompt-len", "256", "--max-respon
 
 def test_a_real_pretrained_model_through_the_whole_loop(real_model, tmp_path):
     """SmolLM2-135M-Instruct (Llama; a real BPE vocabulary with merges; a ChatML template; EOS <|im_end|>; a
-    tied head) on short word problems, one process: a step saved with --save-dtype float32, then --resume
-    to a second, saved in the default bf16. Every prompt starts with the chat template's tokens; some
-    responses stop at the model's EOS before the length limit; after the update (saved, resumed, synced)
-    vLLM's log-probs equal the trainer's (mean gap < 1e-4), while the update moved them far more; the exports
-    hold the trainer's fp32 weights bit for bit (fp32: reloaded in transformers, the same logits) or those
-    rounded to bf16 (bf16); evaluation reports avg@k, pass@k and maj@k. Rewards: VARIED_REWARD."""
+    tied head) on short word problems, one process, two steps, saved after each with --save-dtype float32.
+    Every prompt starts with the chat template's tokens; some responses stop at the model's EOS before the
+    length limit; step 2 is generated after an update, and vLLM's log-probs equal the trainer's there (mean
+    gap < 1e-4), while the update moved them far more; the export holds the trainer's fp32 weights bit for
+    bit and gives its logits in transformers; evaluation reports avg@k, pass@k and maj@k. Rewards:
+    VARIED_REWARD. Not here, for CI's time (each run of this model takes ~45 s): resume and the bf16
+    export, which the built-in model's tests cover (test_resume_after_a_failed_save_reproduces_a_straight_run,
+    test_hf_export_is_sharded_and_loads_in_transformers)."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(real_model)
     eos = json.load(open(os.path.join(real_model, "generation_config.json")))["eos_token_id"]
     assert tok.eos_token == "<|im_end|>" and eos == tok.convert_tokens_to_ids("<|im_end|>")
     data = [_word_problems(tmp_path / f"{name}.jsonl", held) for held, name in enumerate(("train", "eval"))]
-    base = ["-c", VARIED_REWARD, "--model", real_model, "--train-data", data[0], "--eval-data", data[1],
-            *REAL_ARGS, "--out-dir", str(tmp_path / "run")]
     t0 = time.monotonic()
-    first = _run([sys.executable, *base, "--steps", "1", "--save-dtype", "float32"], timeout=900)
-    assert first.returncode == 0, first.stderr[-4000:]
-    then = _run([sys.executable, *base, "--steps", "2", "--resume", "--eval-samples", "0"], timeout=900)
-    assert then.returncode == 0, then.stderr[-4000:]
-    print(f"real model: 1 step + resume to 2 in {time.monotonic() - t0:.0f} s")
-    assert "resumed from" in then.stdout and "at step 1" in then.stdout
+    out = _run([sys.executable, "-c", VARIED_REWARD, "--model", real_model, "--train-data", data[0], "--eval-data",
+                data[1], *REAL_ARGS, "--steps", "2", "--save-every", "1", "--save-dtype", "float32",
+                "--out-dir", str(tmp_path / "run")], timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    print(f"real model: 2 steps in {time.monotonic() - t0:.0f} s")
     for tag in ("before", "after"):
         assert re.search(rf"eval \({tag}\): eval/avg@2 \d\.\d+  eval/pass@2 \d\.\d+  eval/maj@2 \d\.\d+",
-                         first.stdout), first.stdout[-2000:]
+                         out.stdout), out.stdout[-2000:]
     rows = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2]
     gaps = [r["sync/logp_diff_mean"] for r in rows]
@@ -2465,26 +2482,21 @@ def test_a_real_pretrained_model_through_the_whole_loop(real_model, tmp_path):
     print(f"sync/logp_diff_mean per step {gaps}, max {[r['sync/logp_diff_max'] for r in rows]}; truncated "
           f"{[r['len/truncated_frac'] for r in rows]}; mean length {[r['len/mean'] for r in rows]}; "
           f"time/step {[round(r['time/step'], 1) for r in rows]}")
-    assert max(gaps) < 1e-4                                        # step 2: generated after an update
+    assert gaps[1] < 1e-4                                          # step 2: generated after an update
     assert all(x["prompt"].startswith("<|im_start|>") for x in samples)   # the chat template's tokens
     assert any(not x["truncated"] for x in samples)                # stopped at EOS, not at the limit
-    ckpts = tmp_path / "run" / "checkpoints"
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000001"
     ids = torch.tensor([tok(samples[0]["prompt"] + samples[0]["response"], add_special_tokens=False)["input_ids"]])
-    for step, exact in ((1, True), (2, False)):
-        trainer = _dcp_model(ckpts / f"step_{step:06d}")            # the trainer's fp32 state
-        export = ckpts / f"step_{step:06d}" / "model"
-        saved = {k: v for f in sorted(export.glob("*.safetensors")) for k, v in load_file(f).items()}
-        assert saved.keys() == trainer.keys() - {"lm_head.weight"}   # tied: stored once
-        for k, v in saved.items():
-            assert torch.equal(v, trainer[k] if exact else trainer[k].bfloat16()), k
-        if not exact:
-            continue  # bit for bit the trainer's, rounded: transformers loads such files as they are (tested above)
-        hf = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
-        ref = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
-        ref.load_state_dict(trainer)
-        with torch.no_grad():
-            assert torch.equal(hf(ids).logits, ref(ids).logits)
-    moved = _logprob_change(real_model, str(ckpts / "step_000001" / "model"), ids)
+    trainer = _dcp_model(ckpt)                                      # the trainer's fp32 state
+    saved = {k: v for f in sorted((ckpt / "model").glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert saved.keys() == trainer.keys() - {"lm_head.weight"}     # tied: stored once
+    assert all(torch.equal(v, trainer[k]) for k, v in saved.items())
+    hf = AutoModelForCausalLM.from_pretrained(ckpt / "model", dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(ckpt / "model", dtype=torch.float32).eval()
+    ref.load_state_dict(trainer)
+    with torch.no_grad():
+        assert torch.equal(hf(ids).logits, ref(ids).logits)
+    moved = _logprob_change(real_model, str(ckpt / "model"), ids)
     print(f"log-probs moved up to {moved:.2e} by one update")
     assert moved > 1e-2
 

@@ -104,7 +104,7 @@ def split(evals, levels, counts):
 
 
 def mean_sd(xs):
-    return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs) if len(xs) > 1 else 0.0:.3f}"
+    return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f} (1 seed)"
 
 
 def curve(run):
