@@ -170,7 +170,8 @@ def report(args):
             + (" " + ", ".join(f"{k} {statistics.mean(last(r, k) for r in rs):.3g}" for k in OWN
                                if all(k in m for r in rs for m in r["metrics"][-args.tail:])) + " |"
                if args.variants else ""))
-    print(f"{len(args.seeds)} seeds; held-out avg@4 after the last step; per-step metrics are means over the "
+    seeds = sorted({len(rs) for rs in runs.values()})
+    print(f"{' or '.join(map(str, seeds))} seeds (a row with one says so); held-out avg@4 after the last step; per-step metrics are means over the "
           f"last {args.tail} rollout steps and the seeds; steps and responses to reach are medians over the seeds "
           f"that reached it (eval every {args.eval_every} steps).\n")
     print("\n".join(table))
