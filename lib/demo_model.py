@@ -115,24 +115,26 @@ def build(path, rows, added_tokens, seed=0, sft_target=0.3, task="add"):
     reaches sft_target, and its tokenizer to `path`."""
     model, tokenizer = tiny_qwen2(added_tokens, seed=seed)
     w = WARM_START[task]
-    levels = {}  # one level per batch
-    for r in rows:
-        levels.setdefault(r.get("level", 0), []).append(r)
+    levels = {}  # one level per batch: row indices
+    for i, r in enumerate(rows):
+        levels.setdefault(r.get("level", 0), []).append(i)
     pools = [levels[k] for k in sorted(levels)]
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=w["lr"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / w["warmup"]))
+    # tokenized once; prompts are strings and there is no chat template: as dapo.encode_prompts
+    prompts = tokenizer([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]
+    answers = tokenizer([r["solution"] for r in rows], add_special_tokens=False)["input_ids"]
 
-    def batch(rows):  # prompts are strings and there is no chat template: as dapo.encode_prompt
-        p = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
-        eos = [tokenizer.eos_token_id]
-        a = [tokenizer(r["solution"], add_special_tokens=False)["input_ids"] + eos for r in rows]
+    def batch(which):
+        p = [prompts[i] for i in which]
+        a = [answers[i] + [tokenizer.eos_token_id] for i in which]
         T = max(len(x) + len(y) for x, y in zip(p, a))  # right-pad; pads are masked out
         ids = torch.tensor([x + y + [tokenizer.pad_token_id] * (T - len(x) - len(y)) for x, y in zip(p, a)])
         mask = torch.tensor([[0] * len(x) + [1] * len(y) + [0] * (T - len(x) - len(y)) for x, y in zip(p, a)])
         return ids, mask
 
-    dev_ids, dev_mask = batch(rows[:256])
+    dev_ids, dev_mask = batch(range(min(256, len(rows))))
     for step in range(w["max_steps"]):
         if step % w["check_every"] == 0:
             with torch.no_grad():  # exact expected accuracy of sampling at T = 1

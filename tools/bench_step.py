@@ -50,7 +50,7 @@ def main():
     device = dapo.init_distributed()
     tokenizer = AutoTokenizer.from_pretrained(path)
     rows, _ = demo_model.demo_task(cfg.seed)
-    prompt_ids = [dapo.encode_prompt(tokenizer, r["prompt"]) for r in rows]
+    prompt_ids = dapo.encode_prompts(tokenizer, [r["prompt"] for r in rows])
     llm = dapo.start_engine(cfg, path, device)
     torch.manual_seed(cfg.seed)
     model = dapo.load_policy(cfg, path, device)
