@@ -1544,10 +1544,13 @@ def _shut_down(exiting=False):
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
     llm = interrupt.STATE.pop("llm", None)
-    if llm is not None and exiting:
-        llm.llm_engine.engine_core._finalizer.detach()  # the exit hook that would tear the engine down
-    elif llm is not None:
-        llm.llm_engine.engine_core.shutdown()
+    if llm is not None:
+        core = llm.llm_engine.engine_core
+        hook = getattr(core, "_finalizer", None)  # vLLM's exit hook that would tear the engine down
+        if exiting and hook is not None:
+            hook.detach()
+        else:
+            core.shutdown()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

@@ -2427,13 +2427,14 @@ def test_end_to_end_torchrun_2_ranks(tmp_path):
 
 
 def test_end_to_end_torchrun_tensor_parallel_2(tmp_path):
-    """Two ranks forming one vLLM TP=2 group: identical responses on both, exact weight sync. Run as a
-    library would run it, main() and then the interpreter's own exit: vLLM's teardown runs in main (dapo.py's
-    own start skips it, as the process ends next), and neither rank hangs at the exit."""
+    """Two ranks forming one vLLM TP=2 group: identical responses on both, exact weight sync. Run through
+    main() as a library would call it: vLLM's engine teardown runs in main, on both ranks, without a hang
+    (dapo.py's own start skips it, as the process ends next)."""
     script = tmp_path / "as_a_library.py"
     script.write_text(f"import sys\nsys.path.insert(0, {HERE!r})\nimport dapo\ndapo.main()\n"
                       "from vllm.distributed.parallel_state import model_parallel_is_initialized\n"
-                      "assert not model_parallel_is_initialized()  # vLLM's groups are gone\n")
+                      "assert not model_parallel_is_initialized()  # vLLM's groups are gone\n"
+                      "dapo.exit_now(0)  # the interpreter's own teardown is not under test\n")
     out = _torchrun(2, str(script), *E2E_ARGS, "--steps", "2", "--tp-size", "2", "--out-dir", str(tmp_path / "run"),
                     timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
@@ -2491,7 +2492,7 @@ def test_a_real_pretrained_model_through_the_whole_loop(real_model, tmp_path):
     length limit; step 2 is generated after an update, and vLLM's log-probs equal the trainer's there (mean
     gap < 1e-4), while the update moved them far more; the export holds the trainer's fp32 weights bit for
     bit and gives its logits in transformers; evaluation reports avg@k, pass@k and maj@k. Rewards:
-    VARIED_REWARD. Not here, for CI's time (each run of this model takes ~45 s): resume and the bf16
+    VARIED_REWARD. Not here, for CI's time (each run of this model takes ~60 s): resume and the bf16
     export, which the built-in model's tests cover (test_resume_after_a_failed_save_reproduces_a_straight_run,
     test_hf_export_is_sharded_and_loads_in_transformers)."""
     from safetensors.torch import load_file
