@@ -829,8 +829,10 @@ def test_fp32_head_under_bf16_mixed_precision():
 _MEM_SCRIPT = r"""
 import json, torch, dapo
 from torch.distributed._tools.mem_tracker import MemTracker
-T, h, V, peaks = 2048, 256, 32768, {}
-for mode in ("naive", "fused"):   # each its own tracker: its peak over its own tensors
+T, h, V = 2048, 256, 32768
+
+
+def peak(mode):   # its own tensors and tracker, all freed on return
     hidden = torch.randn(1, T, h).requires_grad_()   # fp32: CPUs without bf16 units take minutes in bf16
     weight = (torch.randn(V, h) / 16).requires_grad_()
     targets = torch.randint(0, V, (1, T))
@@ -844,10 +846,10 @@ for mode in ("naive", "fused"):   # each its own tracker: its peak over its own 
             logits = hidden @ weight.T
             lp = torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None])[..., 0]
         lp.sum().backward()
-    peaks[mode] = (tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] - base) / 2**20
-    del hidden, weight, targets, lp
-    logits = None
-print(json.dumps(peaks))
+    return (tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] - base) / 2**20
+
+
+print(json.dumps({mode: peak(mode) for mode in ("naive", "fused")}))
 """
 
 
@@ -1286,7 +1288,7 @@ for ckpt in (False, True):   # each its own model and tracker
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] - base
     plan = planner.activation_bytes(shape, B * S, 4, ckpt, 1024, seq=S, flash=False)
     print(int(ckpt), peak / 2**20, plan / 2**20)
-    del model, hidden, lp
+    del model, hidden, lp   # before the next model
 """
 
 
