@@ -4,7 +4,7 @@ import os
 import sys
 
 # The README's test set-up installs with `pip install --no-compile`: pip would compile all ~22k files of the
-# packages on one core (~90 s). The tests start Python ~60 times; the first start that imports a module
+# packages on one core (~90 s). The tests start Python dozens of times; the first start that imports a module
 # writes its bytecode (~4k modules), also where PYTHONDONTWRITEBYTECODE is set, and later starts reuse it.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False

@@ -130,10 +130,11 @@ def main(argv=None):
         dapo.print0(f"  {what:<{width}}  {value:<28} {limit:<40} {verdict}")
     failed = any(ok is False for *_, ok in checks)
     dapo.print0("gpu_check: FAIL" if failed else "gpu_check: PASS (skipped checks named above)")
-    dapo._shut_down(exiting=True)
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
     gc.disable()  # as dapo.py's own start and end: set_up turns it back on once vLLM is up
-    dapo.exit_now(main())
+    code = main()
+    dapo._shut_down(exiting=True)
+    dapo.exit_now(code)
