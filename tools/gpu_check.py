@@ -85,6 +85,7 @@ def main(argv=None):
     error = None
     try:
         dapo.train(cfg)
+        dapo._shut_down(exiting=True)  # as dapo.py's own end: the process ends after the report
     except dapo.DapoError as e:
         error = str(e)
     rows = [] if error else [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
@@ -135,6 +136,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     gc.disable()  # as dapo.py's own start and end: set_up turns it back on once vLLM is up
-    code = main()
-    dapo._shut_down(exiting=True)
-    dapo.exit_now(code)
+    dapo.exit_now(main())
