@@ -2494,10 +2494,11 @@ def test_a_real_pretrained_model_through_the_whole_loop(real_model, tmp_path):
     Every prompt starts with the chat template's tokens; some responses stop at the model's EOS before the
     length limit; step 2 is generated after an update, and vLLM's log-probs equal the trainer's there (mean
     gap < 1e-4), while the update moved them far more; the export holds the trainer's fp32 weights bit for
-    bit and gives its logits in transformers; evaluation reports avg@k, pass@k and maj@k. Rewards:
-    VARIED_REWARD. Not here, for CI's time (each run of this model takes ~60 s): resume and the bf16
-    export, which the built-in model's tests cover (test_resume_after_a_failed_save_reproduces_a_straight_run,
-    test_hf_export_is_sharded_and_loads_in_transformers)."""
+    bit and gives its logits in transformers, and keeps the chat template and EOS that a resumed run reads
+    from it; evaluation reports avg@k, pass@k and maj@k. Rewards: VARIED_REWARD. Not here, for CI's time
+    (each run of this model takes ~40-60 s): a resumed run and the bf16 export, which the built-in model's
+    tests cover (test_resume_after_a_failed_save_reproduces_a_straight_run,
+    test_hf_export_is_sharded_and_loads_in_transformers); docs/real-model.md measures resume on this model."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(real_model)
@@ -2529,6 +2530,9 @@ def test_a_real_pretrained_model_through_the_whole_loop(real_model, tmp_path):
     saved = {k: v for f in sorted((ckpt / "model").glob("*.safetensors")) for k, v in load_file(f).items()}
     assert saved.keys() == trainer.keys() - {"lm_head.weight"}     # tied: stored once
     assert all(torch.equal(v, trainer[k]) for k, v in saved.items())
+    exported = AutoTokenizer.from_pretrained(ckpt / "model")        # what a resumed run reads
+    assert exported.chat_template == tok.chat_template and exported.eos_token == "<|im_end|>"
+    assert json.load(open(ckpt / "model" / "generation_config.json"))["eos_token_id"] == eos
     hf = AutoModelForCausalLM.from_pretrained(ckpt / "model", dtype=torch.float32).eval()
     ref = AutoModelForCausalLM.from_pretrained(ckpt / "model", dtype=torch.float32).eval()
     ref.load_state_dict(trainer)
