@@ -45,7 +45,6 @@ import json
 import math
 import os
 import random
-import re
 import sys
 import time
 import types
@@ -60,8 +59,8 @@ import reward  # the answer checker (Eq. 7), beside this file
 
 # Checks of the user's files (Part 2) live in lib/: bad input is one line, before anything slow.
 from lib import check_data, interrupt
-from lib.dist import (all_gather_objects, all_to_all_objects, compute_device, full_tensor, init_distributed,
-                      print0, rank, world)
+from lib.dist import (STALE_SHM, all_gather_objects, all_to_all_objects, compute_device, full_tensor,
+                      init_distributed, print0, rank, unlink_group_shm, world)
 from lib.check_data import InputError as DapoError, check_checkpoint, check_model, check_weights, one_line
 from lib.check_data import cpu_batch_note, field_helps, latest_checkpoint, load as load_data, step_dirs
 
@@ -734,25 +733,11 @@ def start_engine(cfg, path, device, dummy_weights=False):
                   max_model_len=cfg.max_prompt_len + cfg.max_response_len, seed=cfg.seed,
                   logprobs_mode="processed_logprobs",  # log-probs at the sampling temperature
                   enable_prefix_caching=True, **kw)
-    except Exception as e:
-        stale = "create shm in SHMManager failed. errno: 17" in str(e)  # EEXIST
-        raise DapoError(f"vLLM could not start on model '{path}': {one_line(e, 500)}" + (
-            ": a killed TP run left its shared memory in /dev/shm: if no other vLLM runs here, "
-            "rm /dev/shm/*-cpushm_*" if stale else ""))
-    unlink_group_shm()
+    except Exception as e:  # errno 17 (EEXIST): a TP run killed while it started (lib/dist.py)
+        stale = STALE_SHM if "SHMManager failed. errno: 17" in str(e) else ""
+        raise DapoError(f"vLLM could not start on model '{path}': {one_line(e, 500)}{stale}")
+    unlink_group_shm()  # lib/dist.py: no run leaves vLLM's CPU TP shared memory behind
     return llm
-
-
-def unlink_group_shm():
-    """vLLM's CPU TP group shares memory through /dev/shm files whose names are the same in every run
-    (external_launcher), unlinked by a C++ static destructor that os._exit, a kill or a crash skips: the
-    next TP run on the machine would fail to create them. Once the engine is up every rank has mapped all
-    of its group's files, so their names can go now; the memory lives until the last rank exits."""
-    with open("/proc/self/maps") as f:  # an unlinked file's line ends in " (deleted)"
-        paths = {line.split(None, 5)[5].strip() for line in f if re.search(r"/dev/shm/.*-cpushm_\d+$", line)}
-    for path in paths:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
 
 
 @contextlib.contextmanager
@@ -1394,11 +1379,6 @@ def preflight(cfg):
         train, held = demo_model.demo_task(cfg.seed, cfg.task)
     if cfg.eval_data:
         held = load_data(cfg.eval_data, cfg.dedup)
-    if cfg.wandb_project:
-        try:
-            import wandb  # noqa: F401
-        except ImportError:
-            raise DapoError("--wandb-project needs Weights & Biases: pip install wandb")
     ckpt = latest_checkpoint(cfg.out_dir) if cfg.resume else None
     if cfg.resume and not ckpt:
         raise DapoError(f"--resume: no complete checkpoint under {cfg.out_dir}/checkpoints")

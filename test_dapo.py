@@ -2444,7 +2444,7 @@ def test_end_to_end_torchrun_tensor_parallel_2(tmp_path):
     assert out.returncode == 0, out.stderr[-4000:]
     _check_run(str(tmp_path), out.stdout, steps=2)
     assert "leaked" not in out.stderr and "Exception ignored" not in out.stderr, out.stderr[-4000:]
-    assert not glob.glob("/dev/shm/*-cpushm_*"), glob.glob("/dev/shm/*-cpushm_*")
+    assert not glob.glob("/dev/shm/-tp:*-cpushm_*"), glob.glob("/dev/shm/-tp:*-cpushm_*")   # external_launcher's
 
 
 def test_a_tp_groups_stale_shared_memory_is_named_in_one_line(monkeypatch):
@@ -2455,7 +2455,7 @@ def test_a_tp_groups_stale_shared_memory_is_named_in_one_line(monkeypatch):
     def stale(**kw):
         raise RuntimeError("create shm in SHMManager failed. errno: 17")
     monkeypatch.setattr(vllm, "LLM", stale)
-    with pytest.raises(dapo.DapoError, match=r"a killed TP run left .* rm /dev/shm/\*-cpushm_\*$"):
+    with pytest.raises(dapo.DapoError, match=r"a TP run killed while it started .* rm /dev/shm/-tp:\*-cpushm_\*$"):
         dapo.start_engine(dapo.Config(), "model", torch.device("cpu"))
 
 

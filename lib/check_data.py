@@ -406,6 +406,8 @@ def check_config(cfg, losses):
          f"--attn-impl must be flex_attention, flash_attention_2 or sdpa, not {cfg.attn_impl!r}"),
         (cfg.attn_impl == "flash_attention_2" and not importlib.util.find_spec("flash_attn"),
          "--attn-impl flash_attention_2 needs the flash-attn package (pip install flash-attn)"),
+        (cfg.wandb_project and not importlib.util.find_spec("wandb"),
+         "--wandb-project needs Weights & Biases: pip install wandb"),
         (cfg.save_dtype not in ("bfloat16", "float32"),
          f"--save-dtype must be bfloat16 or float32, not {cfg.save_dtype!r}"),
         (cfg.dual_clip < 0 or 0 < cfg.dual_clip <= 1,

@@ -1,8 +1,11 @@
 """
-dist.py: the process group and the collectives dapo.py runs on, on one process or many (torchrun).
+dist.py: the process group and the collectives dapo.py runs on, on one process or many (torchrun), and the
+clean-up of vLLM's CPU TP shared memory.
 """
 
+import contextlib
 import os
+import re
 
 import torch
 
@@ -69,3 +72,20 @@ def all_to_all_objects(outgoing):
     torch.distributed.all_to_all_single(data, sent, in_sizes.tolist(), sizes.tolist())
     nbytes = sum(in_sizes.tolist()) - in_sizes[rank()].item() + 8 * (world() - 1)
     return [pickle.loads(p.numpy().tobytes()) for p in data.split(in_sizes.tolist())], nbytes
+
+
+STALE_SHM = (": a TP run killed while it started left vLLM's shared memory in /dev/shm: if no other vLLM "
+             "runs here, rm /dev/shm/-tp:*-cpushm_*")
+
+
+def unlink_group_shm():
+    """vLLM's CPU TP group shares memory through /dev/shm files whose names are the same in every run
+    (external_launcher), unlinked by a C++ static destructor that os._exit, a kill or a crash skips: the
+    next TP run on the machine would fail to create them. Once the engine is up every rank has mapped all
+    of its group's files, so their names can go now; the memory lives until the last rank exits."""
+    with open("/proc/self/maps") as f:  # an unlinked file's line ends in " (deleted)"
+        paths = {line.split(None, 5)[5].strip() for line in f
+                 if re.search(r"/dev/shm/.*-cpushm_\d+$", line)}
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
