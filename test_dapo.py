@@ -389,9 +389,13 @@ import dapo  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "tools"))
-# The demo model's warm-start cache (lib/demo_model.py): one per test session, built by the first
-# end-to-end test that needs a given model and copied by the others.
-os.environ.setdefault("DAPO_CACHE", os.path.join(__import__("tempfile").mkdtemp(prefix="dapo-test-"), "cache"))
+# The cache of built models (lib/demo_model.py's warm-starts, tools/real_model.py's ~0.5 GB model): one per
+# test session, built by the first test that needs a given model and copied by the others; the processes the
+# tests start inherit it, and the session removes it at its end.
+if "DAPO_CACHE" not in os.environ:
+    _CACHE = __import__("tempfile").mkdtemp(prefix="dapo-test-")
+    os.environ["DAPO_CACHE"] = os.path.join(_CACHE, "cache")
+    __import__("atexit").register(shutil.rmtree, _CACHE, ignore_errors=True)
 # A stuck test fails by itself (pytest-timeout, requirements-cpu.txt); the subprocess helpers below
 # time out first and kill what they started.
 pytestmark = pytest.mark.timeout(1200, method="thread")
