@@ -60,7 +60,7 @@ import reward  # the answer checker (Eq. 7), beside this file
 # Checks of the user's files (Part 2) live in lib/: bad input is one line, before anything slow.
 from lib import check_data, interrupt
 from lib.dist import (STALE_SHM, all_gather_objects, all_to_all_objects, compute_device, full_tensor,
-                      init_distributed, print0, rank, unlink_group_shm, world)
+                      init_distributed, own_ipc_dir, print0, rank, unlink_group_shm, world)
 from lib.check_data import InputError as DapoError, check_checkpoint, check_model, check_weights, one_line
 from lib.check_data import cpu_batch_note, field_helps, latest_checkpoint, load as load_data, step_dirs
 
@@ -719,6 +719,8 @@ def start_engine(cfg, path, device, dummy_weights=False):
     """vLLM inside this process: external_launcher reuses torchrun's process group, TP groups are
     contiguous ranks. dummy_weights: the trainer syncs its own before the first generation."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # VLLM_LOGGING_LEVEL=INFO shows the engine's log
+    if cfg.tp_size > 1:  # lib/dist.py: the TP group's sockets go where the exit removes them
+        own_ipc_dir()
     from vllm import LLM
     kw = {"load_format": "dummy"} if dummy_weights else {}
     if device.type == "cuda":

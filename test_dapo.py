@@ -391,7 +391,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "tools"))
 # The cache of built models (lib/demo_model.py's warm-starts, tools/real_model.py's ~0.5 GB model): one per
 # test session, built by the first test that needs a given model and copied by the others; the processes the
-# tests start inherit it, and the session removes it at its end.
+# tests start inherit it, and the test session removes it at its end.
 if "DAPO_CACHE" not in os.environ:
     _CACHE = __import__("tempfile").mkdtemp(prefix="dapo-test-")
     os.environ["DAPO_CACHE"] = os.path.join(_CACHE, "cache")
@@ -2441,17 +2441,23 @@ def test_end_to_end_torchrun_2_ranks(tmp_path):
 def test_end_to_end_torchrun_tensor_parallel_2(tmp_path):
     """Two ranks forming one vLLM TP=2 group: identical responses on both, exact weight sync. dapo.py's own
     end tears down vLLM's groups (not its engine: the exit frees it) with nothing left behind to warn about,
-    such as the group's shared-memory queue, or the /dev/shm files of vLLM's CPU TP group, whose names are the
-    same in every run: one left behind stops the next TP run on the machine (unlink_group_shm)."""
+    such as the group's shared-memory queue, its IPC sockets (own_ipc_dir), or the /dev/shm files of vLLM's CPU
+    TP group, whose names are the same in every run: one left behind stops the next TP run (unlink_group_shm)."""
     import glob
+    import stat
+    import tempfile
+    tmp = tempfile.gettempdir()   # vLLM's IPC sockets (or dapo's directory for them), before and after
+    left = lambda: set(glob.glob(f"{tmp}/dapo-vllm-*")) | {e.path for e in os.scandir(tmp) if stat.S_ISSOCK(e.stat().st_mode)}  # noqa
+    before = left()
     out = _torchrun(2, "dapo.py", *E2E_ARGS, "--steps", "2", "--tp-size", "2", "--out-dir", str(tmp_path), timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     _check_run(str(tmp_path), out.stdout, steps=2)
     assert "leaked" not in out.stderr and "Exception ignored" not in out.stderr, out.stderr[-4000:]
     assert not glob.glob("/dev/shm/-tp:*-cpushm_*"), glob.glob("/dev/shm/-tp:*-cpushm_*")   # external_launcher's
+    assert not left() - before, left() - before
 
 
-def test_a_tp_groups_stale_shared_memory_is_named_in_one_line(monkeypatch):
+def test_a_tp_groups_stale_shared_memory_is_named_in_one_line(monkeypatch, tmp_path):
     """A TP run killed before unlink_group_shm leaves vLLM's /dev/shm files, and the next one cannot create
     them (errno 17, EEXIST): the one-line error says which files to delete."""
     import vllm
@@ -2459,6 +2465,7 @@ def test_a_tp_groups_stale_shared_memory_is_named_in_one_line(monkeypatch):
     def stale(**kw):
         raise RuntimeError("create shm in SHMManager failed. errno: 17")
     monkeypatch.setattr(vllm, "LLM", stale)
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(tmp_path))   # no directory of dapo's own for the sockets
     with pytest.raises(dapo.DapoError, match=r"a TP run killed while it started .* rm /dev/shm/-tp:\*-cpushm_\*$"):
         dapo.start_engine(dapo.Config(), "model", torch.device("cpu"))
 

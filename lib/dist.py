@@ -1,11 +1,14 @@
 """
-dist.py: the process group and the collectives dapo.py runs on, on one process or many (torchrun), and the
-clean-up of vLLM's CPU TP shared memory.
+dist.py: the process group and the collectives dapo.py runs on, on one process or many (torchrun), and what
+vLLM's TP groups leave on the machine: their shared memory and IPC sockets.
 """
 
+import atexit
 import contextlib
 import os
 import re
+import shutil
+import tempfile
 
 import torch
 
@@ -89,3 +92,11 @@ def unlink_group_shm():
     for path in paths:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+
+def own_ipc_dir():
+    """vLLM's ZMQ IPC sockets (a TP group's broadcast queue) in a directory of this process's own, removed
+    at its exit, exit_now's included: in /tmp, where vLLM binds them, os._exit would leave them behind."""
+    if "VLLM_RPC_BASE_PATH" not in os.environ:
+        os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="dapo-vllm-")
+        atexit.register(shutil.rmtree, os.environ["VLLM_RPC_BASE_PATH"], ignore_errors=True)
