@@ -2438,35 +2438,43 @@ def test_end_to_end_torchrun_2_ranks(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["sync/logp_diff_max"] < 1e-4
 
 
+def _left_in_tmp():
+    """What a TP run may leave in the temporary directory: vLLM's IPC sockets (uuid4 names) and dapo's own
+    directories for them (own_ipc_dir)."""
+    import stat
+    import tempfile
+    out = set()
+    for e in os.scandir(tempfile.gettempdir()):
+        with contextlib.suppress(OSError):   # gone since the scan, or a dangling link
+            st = os.lstat(e.path)
+            if (stat.S_ISSOCK(st.st_mode) and re.fullmatch(r"[0-9a-f-]{36}", e.name)) or \
+                    (stat.S_ISDIR(st.st_mode) and re.fullmatch(r"dapo-[a-z0-9_]{8}", e.name)):
+                out.add(e.path)
+    return out
+
+
 def test_end_to_end_torchrun_tensor_parallel_2(tmp_path):
     """Two ranks forming one vLLM TP=2 group: identical responses on both, exact weight sync. dapo.py's own
     end tears down vLLM's groups (not its engine: the exit frees it) with nothing left behind to warn about,
     such as the group's shared-memory queue, its IPC sockets (own_ipc_dir), or the /dev/shm files of vLLM's CPU
     TP group, whose names are the same in every run: one left behind stops the next TP run (unlink_group_shm)."""
     import glob
-    import stat
-    import tempfile
-    tmp = tempfile.gettempdir()   # vLLM's IPC sockets (or dapo's directory for them), before and after
-    left = lambda: set(glob.glob(f"{tmp}/dapo-vllm-*")) | {e.path for e in os.scandir(tmp) if stat.S_ISSOCK(e.stat().st_mode)}  # noqa
-    before = left()
+    before = _left_in_tmp()
     out = _torchrun(2, "dapo.py", *E2E_ARGS, "--steps", "2", "--tp-size", "2", "--out-dir", str(tmp_path), timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     _check_run(str(tmp_path), out.stdout, steps=2)
     assert "leaked" not in out.stderr and "Exception ignored" not in out.stderr, out.stderr[-4000:]
     assert not glob.glob("/dev/shm/-tp:*-cpushm_*"), glob.glob("/dev/shm/-tp:*-cpushm_*")   # external_launcher's
-    assert not left() - before, left() - before
+    assert not _left_in_tmp() - before, _left_in_tmp() - before
 
 
-def test_a_tp_groups_stale_shared_memory_is_named_in_one_line(monkeypatch, tmp_path):
-    """A TP run killed before unlink_group_shm leaves vLLM's /dev/shm files, and the next one cannot create
-    them (errno 17, EEXIST): the one-line error says which files to delete."""
-    import vllm
-
+def test_a_tp_groups_stale_shared_memory_is_named_in_one_line(monkeypatch):
+    """A TP run that ended before unlink_group_shm (killed while it started) leaves vLLM's /dev/shm files, and
+    the next one cannot create them (errno 17, EEXIST): the one-line error says which files to delete."""
     def stale(**kw):
         raise RuntimeError("create shm in SHMManager failed. errno: 17")
-    monkeypatch.setattr(vllm, "LLM", stale)
-    monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(tmp_path))   # no directory of dapo's own for the sockets
-    with pytest.raises(dapo.DapoError, match=r"a TP run killed while it started .* rm /dev/shm/-tp:\*-cpushm_\*$"):
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=stale))   # no real vLLM in this process
+    with pytest.raises(dapo.DapoError, match=r"an earlier TP run that ended .* rm /dev/shm/-tp:\*-cpushm_\*$"):
         dapo.start_engine(dapo.Config(), "model", torch.device("cpu"))
 
 

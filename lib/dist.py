@@ -77,26 +77,38 @@ def all_to_all_objects(outgoing):
     return [pickle.loads(p.numpy().tobytes()) for p in data.split(in_sizes.tolist())], nbytes
 
 
-STALE_SHM = (": a TP run killed while it started left vLLM's shared memory in /dev/shm: if no other vLLM "
-             "runs here, rm /dev/shm/-tp:*-cpushm_*")
+STALE_SHM = (": an earlier TP run that ended before removing them (killed while it started, or an older "
+             "dapo.py) left vLLM's shared memory in /dev/shm: if no other vLLM runs here, "
+             "rm /dev/shm/-tp:*-cpushm_*")
 
 
-def unlink_group_shm():
-    """vLLM's CPU TP group shares memory through /dev/shm files whose names are the same in every run
-    (external_launcher), unlinked by a C++ static destructor that os._exit, a kill or a crash skips: the
-    next TP run on the machine would fail to create them. Once the engine is up every rank has mapped all
-    of its group's files, so their names can go now; the memory lives until the last rank exits."""
-    with open("/proc/self/maps") as f:  # an unlinked file's line ends in " (deleted)"
-        paths = {line.split(None, 5)[5].strip() for line in f
-                 if re.search(r"/dev/shm/.*-cpushm_\d+$", line)}
+def unlink_group_shm(pattern=r"-cpushm_\d+"):
+    """Unlink the /dev/shm files this process has mapped whose names end in pattern; the memory lives on
+    until the last process that mapped it exits. vLLM's CPU TP group shares memory through files whose names
+    are the same in every run (external_launcher), unlinked by a C++ static destructor that os._exit, a kill
+    or a crash skips, and the next TP run on the machine could not create them: once the engine is up every
+    rank has mapped all of its group's files, so their names can go. On Ctrl-C (pattern "") the TP group's
+    broadcast queue (24 MiB in vLLM 0.32) goes too, which os._exit would leave."""
+    paths = set()
+    with contextlib.suppress(OSError), open("/proc/self/maps") as f:  # Linux; an unlinked file: " (deleted)"
+        paths = {line.split(None, 5)[5].strip() for line in f if re.search(rf"/dev/shm/\S*{pattern}$", line)}
     for path in paths:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
 
 
+OWN_IPC_DIRS = []  # made by own_ipc_dir, removed by remove_own_ipc_dirs
+
+
 def own_ipc_dir():
     """vLLM's ZMQ IPC sockets (a TP group's broadcast queue) in a directory of this process's own, removed
-    at its exit, exit_now's included: in /tmp, where vLLM binds them, os._exit would leave them behind."""
+    at its exit (exit_now's and Ctrl-C's too): in /tmp, where vLLM binds them, os._exit would leave them."""
     if "VLLM_RPC_BASE_PATH" not in os.environ:
-        os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="dapo-vllm-")
-        atexit.register(shutil.rmtree, os.environ["VLLM_RPC_BASE_PATH"], ignore_errors=True)
+        OWN_IPC_DIRS.append(tempfile.mkdtemp(prefix="dapo-"))  # short: a socket's path holds <= 107 bytes
+        os.environ["VLLM_RPC_BASE_PATH"] = OWN_IPC_DIRS[-1]
+        atexit.register(remove_own_ipc_dirs)
+
+
+def remove_own_ipc_dirs():
+    for path in OWN_IPC_DIRS:
+        shutil.rmtree(path, ignore_errors=True)

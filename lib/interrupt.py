@@ -10,6 +10,7 @@ import sys
 import time
 
 from lib.check_data import latest_checkpoint
+from lib.dist import remove_own_ipc_dirs, unlink_group_shm
 
 STATE = {}  # set by dapo.py: the resume command, the step in progress, its progress bar; and flags here
 
@@ -66,6 +67,8 @@ def exit_interrupted(cfg):
         with contextlib.suppress(OSError):
             os.write(2, f"{newline}{msg}\n".encode())
     kill_children()
+    remove_own_ipc_dirs()  # os._exit runs no exit hook, nor vLLM's teardown of its TP group's queue
+    unlink_group_shm("")
     for f in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             f.flush()
