@@ -735,7 +735,7 @@ def start_engine(cfg, path, device, dummy_weights=False):
                   max_model_len=cfg.max_prompt_len + cfg.max_response_len, seed=cfg.seed,
                   logprobs_mode="processed_logprobs",  # log-probs at the sampling temperature
                   enable_prefix_caching=True, **kw)
-    except Exception as e:  # errno 17 (EEXIST): a TP run killed while it started (lib/dist.py)
+    except Exception as e:  # errno 17 (EEXIST): an earlier TP run left its files (lib/dist.py)
         stale = STALE_SHM if "SHMManager failed. errno: 17" in str(e) else ""
         raise DapoError(f"vLLM could not start on model '{path}': {one_line(e, 500)}{stale}")
     unlink_group_shm()  # lib/dist.py: no run leaves vLLM's CPU TP shared memory behind
