@@ -2469,8 +2469,9 @@ def test_end_to_end_torchrun_tensor_parallel_2(tmp_path):
 
 
 def test_a_tp_groups_stale_shared_memory_is_named_in_one_line(monkeypatch):
-    """A TP run that ended before unlink_group_shm (killed while it started) leaves vLLM's /dev/shm files, and
-    the next one cannot create them (errno 17, EEXIST): the one-line error says which files to delete."""
+    """A TP run that ended before unlink_group_shm (killed while it started, or an older dapo.py) leaves vLLM's
+    /dev/shm files, and the next one cannot create them (errno 17, EEXIST): the one-line error names both
+    causes and which files to delete."""
     def stale(**kw):
         raise RuntimeError("create shm in SHMManager failed. errno: 17")
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=stale))   # no real vLLM in this process
