@@ -3,7 +3,18 @@ reward.py: the rule-based math reward of DAPO (paper Eq. 7), right, fast, and ne
 
     R(y, y*) = +1 if is_equivalent(extract_answer(y), y*) else -1
 
-Public names: extract_answer, is_equivalent, is_correct, compute_score, score_batch, majority_correct.
+Public names: extract_answer, is_equivalent, is_correct, compute_score, math_reward, as_result,
+score_batch, majority_correct.
+
+The reward contract (dapo.py's --reward module:function, or path/to/file.py:function; as verl's
+compute_score and TRL's reward_funcs): the function gets the response text and the whole data row (its
+"prompt", its "answer", the ground truth as the file gives it, and every other column) and returns
+- a bool: Eq. 7's +1 or -1, a success if True;
+- a number: the reward, a success where it is > 0;
+- a dict: {"reward": float, "success": bool, "answer": ..., "name": number, ...}; "success" defaults to
+  reward > 0, "answer" (what the response answered) lets maj@k vote and eval/answered count, and every
+  other number is logged as score/<name>.
+math_reward, this file's checker through that contract, is the default.
 
 Conventions (what a careful grader does; every one has a test in test_dapo.py)
 - Markers. A line holding `Answer:` (any case; also `Final Answer:`, `**Answer:**`) gives
@@ -58,15 +69,18 @@ Conventions (what a careful grader does; every one has a test in test_dapo.py)
 - Text answers (`\\text{B}`, `yes`) compare case-insensitively after normalisation; a
   multiple-choice letter may be written `\\text{(C)}`, `(C)` or `C`.
 
-score_batch() is the trainer's entry point: answers that need no sympy are decided in the
-calling process (linear-time string work, so it cannot hang); the rest go to a pool of worker
-processes, and a worker that overruns the per-item time limit is killed (not signal.alarm,
-which cannot interrupt a long C call and only works in the main thread). A timed-out or
-crashing item scores as incorrect, is counted, and never takes the batch down.
+score_batch() is the trainer's entry point: the math checker's answers that need no sympy are
+decided in the calling process (linear-time string work, so it cannot hang); the rest, and every
+response a reward of one's own scores, go to a pool of worker processes, and a worker that overruns
+the per-item time limit is killed (not signal.alarm, which cannot interrupt a long C call and only
+works in the main thread). A timed-out, raising or crashing item, or one whose reward is garbage,
+scores as a wrong answer (-1), is counted, and never takes the batch down.
 
     python reward.py --bench     # throughput and worst-case timings
 """
 
+import math
+import numbers
 import os
 import re
 import select
@@ -680,62 +694,145 @@ def compute_score(response, ground_truth):
 
 
 # ----------------------------------------------------------------------------------------
-# Batch scoring with killable workers
+# The reward contract: dapo.py's --reward names a function fn(response, row)
 
-def _fast_verdict(response, ground_truth, extract=True):
-    """True/False when decidable without sympy (linear-time string work), else None. extract=False:
-    `response` is an answer already (is_equivalent's first argument)."""
+MATH = "reward:math_reward"           # dapo.py's default --reward: this file's checker, Eq. 7
+EQUIVALENT = "reward:is_equivalent"   # maj@k's comparisons of two answers
+FAILED = {"reward": -1.0, "success": False}  # a timed-out, raising or garbage item: Eq. 7's wrong answer
+
+
+def math_reward(response, row, allow_sympy=True):
+    """Eq. 7 through the contract: +1 if the answer read from the response (extract_answer) equals
+    row["answer"], else -1, with the answer read, for maj@k and eval/answered. allow_sympy=False: None
+    where only sympy could decide (score_batch's in-process fast path)."""
     try:
-        pred = extract_answer(response) if extract else response
-        if pred is None:
-            return False
-        return _equivalent(pred, ground_truth, allow_sympy=False)
+        answer = extract_answer(response)
+        ok = _equivalent(answer, row["answer"], allow_sympy)
     except Exception:
-        return False
+        answer, ok = None, False
+    if ok is None:
+        return None
+    return {"reward": 1.0 if ok else -1.0, "success": bool(ok), "answer": answer}
 
 
-def _load_fn(spec):
-    """'module:function' -> the function (lets a researcher swap in a reward of their own)."""
+def as_result(value):
+    """What a reward function returned, as {"reward": float, "success": bool, "answer"?, "metrics"?}:
+    - a bool: Eq. 7's +1 or -1, a success if True;
+    - a number: the reward itself, a success where it is > 0;
+    - a dict: "reward" (or verl's "score"), and optionally "success" (a bool), "answer" (what the response
+      answered: identical answers vote together in maj@k) and other numbers, logged as score/<name>.
+    Anything else, or a reward that is not finite, raises ValueError."""
+    if isinstance(value, bool):
+        return {"reward": 1.0 if value else -1.0, "success": value}
+    if isinstance(value, numbers.Real):
+        value = {"reward": value}
+    if not isinstance(value, dict):
+        raise ValueError(f"returned {type(value).__name__} {str(value)[:40]!r}: return a bool, a number or a dict")
+    score = value.get("reward", value.get("score"))
+    if isinstance(score, bool) or not isinstance(score, numbers.Real) or not math.isfinite(score):
+        raise ValueError(f"returned {str(value)[:80]}: the dict needs a finite number under 'reward'")
+    success = value.get("success", score > 0)
+    if success not in (True, False):
+        raise ValueError(f"returned success={success!r}: give a bool")
+    out = {"reward": float(score), "success": bool(success)}
+    if "answer" in value:
+        a = value["answer"]
+        out["answer"] = a if a is None or isinstance(a, str) else repr(a)
+    metrics = {k: float(v) for k, v in value.items() if k not in ("reward", "score", "success", "answer")
+               and isinstance(v, numbers.Real) and math.isfinite(v)}
+    if metrics:
+        out["metrics"] = metrics
+    return out
+
+
+def load_reward(spec):
+    """'module:function' or 'path/to/file.py:function' -> the function. A module that does not import, a
+    missing function or one that cannot take (response, row) raises ValueError, in one line."""
     import importlib
-    mod, _, name = spec.partition(":")
-    return getattr(importlib.import_module(mod), name)
+    import importlib.util
+    import inspect
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise ValueError(f"--reward {spec!r}: give module:function or path/to/file.py:function")
+    try:
+        if where.endswith(".py"):
+            if not os.path.isfile(where):
+                raise FileNotFoundError(f"no such file: {where}")
+            found = importlib.util.spec_from_file_location(os.path.basename(where)[:-3], where)
+            module = importlib.util.module_from_spec(found)
+            found.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except BaseException as e:  # the module's own error: SyntaxError, ImportError, an exception it raised
+        raise ValueError(f"--reward {spec}: importing {where} failed ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:200]})")
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        mine = [k for k, v in vars(module).items() if callable(v) and not k.startswith("_")][:8]
+        raise ValueError(f"--reward {spec}: {where} has no function {name} (it has {', '.join(mine) or 'none'})")
+    try:
+        inspect.signature(fn).bind("response", {})
+    except TypeError:
+        raise ValueError(f"--reward {spec}: {name}{inspect.signature(fn)} cannot be called as {name}(response, "
+                         f"row): take the response text and the data row")
+    except ValueError:  # a builtin with no signature to read
+        pass
+    return fn
 
 
 def _worker_main(spec):
-    """Worker loop: one `repr((response, ground_truth))` per line in, one verdict per line out."""
-    import ast
-    fn = _load_fn(spec)
-    import sympy  # noqa: F401  (imported once here, not inside the first item's time limit)
-    sys.stdout.write("ready\n")  # the per-item clock starts after start-up
-    sys.stdout.flush()
+    """A worker: loads `spec`, says {"ready": true} (or {"error": why}), then reads one JSON list of
+    arguments per line and writes one JSON result per line (as_result; {"error": why} where the function
+    raised or returned garbage). Whatever the function prints goes to stderr, never into the answers."""
+    import json
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # fd 1 (print, C code) now writes to stderr
+    sys.stdout = sys.stderr
+
+    def say(obj):
+        answers.write(json.dumps(obj) + "\n")
+        answers.flush()
+    try:
+        fn = load_reward(spec)
+        if spec.startswith("reward:"):
+            import sympy  # noqa: F401  (imported once here, not inside the first item's time limit)
+    except ValueError as e:
+        return say({"error": str(e)})
+    say({"ready": True})  # the per-item clock starts after start-up
     for line in sys.stdin:
         try:
-            resp, gt = ast.literal_eval(line)
-            ok = bool(fn(resp, gt))
-            sys.stdout.write("1\n" if ok else "0\n")
-        except Exception:
-            sys.stdout.write("E\n")
-        sys.stdout.flush()
+            say(as_result(fn(*json.loads(line))))
+        except Exception as e:
+            say({"error": f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"})
 
 
 class _Worker:
-    """One worker process; killed and replaced when it overruns."""
+    """One worker process; killed and replaced when it overruns. Its working directory is the trainer's, and
+    this file's folder comes first on its path (for `import reward`)."""
 
-    def __init__(self, spec, path):
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([path, os.environ.get("PYTHONPATH", "")]))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", f"import reward; reward._worker_main({spec!r})"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            text=True, bufsize=1, env=env, cwd=path)
+    def __init__(self, spec):
+        code = f"import sys; sys.path.insert(0, {_HERE!r}); import reward; reward._worker_main({spec!r})"
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL if spec.startswith("reward:") else None,
+                                     text=True, bufsize=1)
         self.item, self.started = None, 0.0
         self.spec, self.ready = spec, False
 
-    def wait_ready(self, timeout=120.0):
+    def wait_ready(self, timeout=60.0):
+        """The worker, once it has loaded the function; ValueError in one line if it cannot."""
+        import json
         if not self.ready:
-            ok = select.select([self.proc.stdout], [], [], timeout)[0] and self.proc.stdout.readline() == "ready\n"
-            if not ok:
+            up = select.select([self.proc.stdout], [], [], timeout)[0]
+            line = self.proc.stdout.readline() if up else ""
+            if line.strip() != '{"ready": true}':
                 self.kill()
-                raise RuntimeError(f"reward worker for '{self.spec}' did not start (does it import?)")
+                if not up:
+                    raise ValueError(f"--reward {self.spec}: loading it took over {timeout:.0f} s (does its "
+                                     f"module hang on import?)")
+                why = json.loads(line)["error"] if line.startswith('{"error"') else (
+                    f"--reward {self.spec}: the worker process exited while loading it (exit code "
+                    f"{self.proc.returncode})")
+                raise ValueError(why)
             self.ready = True
         return self
 
@@ -751,17 +848,25 @@ class _Worker:
 
 _POOL = {}
 _HERE = os.path.dirname(os.path.abspath(__file__))
+_WARNED = set()
 
 
-def _pool(spec, n):
+def _pool(spec, n, timeout=60.0):
     """At least n live workers for `spec`: the pool's own list, kept between calls, in which
     score_batch replaces a killed worker in place."""
     workers = _POOL[spec] = [w for w in _POOL.get(spec, []) if w.proc.poll() is None]
     while len(workers) < n:
-        workers.append(_Worker(spec, _HERE))
+        workers.append(_Worker(spec))
     for w in workers:
-        w.wait_ready()  # they start in parallel, then we wait
+        w.wait_ready(timeout)  # they start in parallel, then we wait
     return workers
+
+
+def check_reward(spec, timeout=60.0):
+    """Load `spec` in a worker process, before anything slow starts (the trainer's process never imports
+    it): ValueError in one line if its module does not import (or hangs, or crashes, importing), the
+    function is missing, or it cannot take (response, row). The worker stays in the pool."""
+    _pool(spec, 1, timeout)
 
 
 def close_pool():
@@ -775,50 +880,69 @@ def close_pool():
                 pass
 
 
-def score_batch(responses, ground_truths, timeout=5.0, num_workers=4, fn="reward:is_correct"):
-    """Score many responses; the trainer's entry point.
+def _in_process(fn, response, row):
+    """The result where it needs no sympy, decided here by linear-time string work (it cannot hang), for
+    this file's own functions; else None."""
+    if fn == MATH:
+        return math_reward(response, row, allow_sympy=False)
+    if fn == EQUIVALENT:
+        try:
+            same = _equivalent(response, row, allow_sympy=False)
+        except Exception:
+            same = False
+        return None if same is None else as_result(bool(same))
+    return None
 
-    Returns (correct: list[bool], stats: dict with 'timeouts', 'errors', 'in_process').
-    Items decidable without sympy are scored here (reward's own checkers); the rest run in
-    `num_workers` worker processes, each item with a hard wall-clock limit of `timeout` s.
-    `fn` names a 'module:function(response, ground_truth) -> bool' to use instead:
-    'reward:is_equivalent' compares answers already extracted.
-    """
-    assert len(responses) == len(ground_truths)
-    correct = [False] * len(responses)
-    todo = []
-    for i, (r, g) in enumerate(zip(responses, ground_truths)):
-        fast = fn in ("reward:is_correct", "reward:is_equivalent")
-        v = _fast_verdict(r, g, extract=fn == "reward:is_correct") if fast else None
-        if v is None:
+
+def score_batch(responses, rows, fn=MATH, timeout=5.0, num_workers=2):
+    """Score many responses with the reward function `fn` ('module:function', called as fn(response, row));
+    the trainer's entry point. Returns (results, stats): one as_result dict per response, and
+    {"timeouts", "errors", "in_process"}. The math checker's answers that need no sympy are decided in this
+    process; everything else runs in `num_workers` worker processes, each item with a hard wall-clock limit
+    of `timeout` s. An item that overruns (its worker is killed and replaced), raises, crashes its worker or
+    returns garbage scores FAILED and is counted; the first error is printed once."""
+    import json
+    assert len(responses) == len(rows)
+    results, todo = [None] * len(responses), []
+    for i, (r, row) in enumerate(zip(responses, rows)):
+        results[i] = _in_process(fn, r, row)
+        if results[i] is None:
             todo.append(i)
-        else:
-            correct[i] = v
     stats = {"timeouts": 0, "errors": 0, "in_process": len(responses) - len(todo)}
     if not todo:
-        return correct, stats
+        return results, stats
     workers = _pool(fn, max(1, min(num_workers, len(todo))))
     queue = list(reversed(todo))
     busy = {}
+
+    def fail(i, why):
+        results[i] = dict(FAILED)
+        if why and fn not in _WARNED:
+            _WARNED.add(fn)
+            print(f"warning: --reward {fn} failed on a response ({why}); such a response scores "
+                  f"{FAILED['reward']:g}, not a success, and is counted in reward/errors", file=sys.stderr)
+
     while queue or busy:
         for w in workers:  # hand out work
             if w.item is None and queue:
                 i = queue.pop()
-                w.submit(i, repr((str(responses[i])[-MAX_RESPONSE_CHARS:], str(ground_truths[i]))) + "\n")
+                w.submit(i, json.dumps([str(responses[i])[-MAX_RESPONSE_CHARS:], rows[i]], default=str) + "\n")
                 busy[w.proc.stdout.fileno()] = w
         now = time.monotonic()
         wait = max(0.0, min(w.started + timeout - now for w in busy.values()))
         ready, _, _ = select.select(list(busy), [], [], wait)
         for fd in ready:
             w = busy.pop(fd)
-            line = w.proc.stdout.readline().strip()
-            if line in ("0", "1"):
-                correct[w.item] = line == "1"
-            else:
+            line = w.proc.stdout.readline()
+            out = json.loads(line) if line.startswith("{") else {"error": "its worker process died"}
+            if "error" in out:
                 stats["errors"] += 1
+                fail(w.item, out["error"])
                 if not line:  # the worker died: replace it
-                    workers[workers.index(w)] = _Worker(fn, _HERE).wait_ready()
+                    workers[workers.index(w)] = _Worker(fn).wait_ready()
                     continue
+            else:
+                results[w.item] = out
             w.item = None
         now = time.monotonic()
         for fd, w in list(busy.items()):
@@ -826,32 +950,33 @@ def score_batch(responses, ground_truths, timeout=5.0, num_workers=4, fn="reward
                 busy.pop(fd)
                 w.kill()
                 stats["timeouts"] += 1
-                workers[workers.index(w)] = _Worker(fn, _HERE).wait_ready()
-    return correct, stats
+                fail(w.item, None)
+                workers[workers.index(w)] = _Worker(fn).wait_ready()
+    return results, stats
 
 
-def majority_correct(answers, truth, timeout=5.0, num_workers=2):
-    """maj@k (the DAPO paper's cons@k): 1.0 if the most common answer equals the truth. Answers vote by
-    equivalence class ("1/2" and "0.5" are one answer), not as raw strings; None never votes; a tie
-    goes to the first seen. Every comparison runs through score_batch, under its time limit, as the
-    training reward does (an overrun counts as different)."""
-    votes = [a for a in answers if a is not None]
-    distinct = list(dict.fromkeys(votes))
-    pairs = [(a, b) for i, a in enumerate(distinct) for b in distinct[:i + 1]] + [(a, truth) for a in distinct]
-    if not pairs:
-        return 0.0
-    verdicts = score_batch(*zip(*pairs), timeout=timeout, num_workers=num_workers, fn="reward:is_equivalent")[0]
-    same = dict(zip(pairs, verdicts))
-    classes = []  # [representative, votes]
-    for a in votes:
+def majority_correct(answers, successes, timeout=5.0, num_workers=2, by_equivalence=True):
+    """maj@k (the DAPO paper's cons@k): whether the most common answer was a success. None never votes; a
+    tie goes to the first seen. by_equivalence: answers vote by the checker's equivalence class ("1/2" and
+    "0.5" are one answer), every comparison through score_batch under its time limit, as the training reward
+    is (an overrun counts as different); else identical answers vote together (a reward of one's own)."""
+    votes = [(a, s) for a, s in zip(answers, successes) if a is not None]
+    distinct = list(dict.fromkeys(a for a, _ in votes))
+    same = {(a, a): True for a in distinct}
+    if by_equivalence:  # each answer against every one seen before it
+        pairs = [(a, b) for i, a in enumerate(distinct) for b in distinct[:i]]
+        if pairs:
+            verdicts = score_batch(*zip(*pairs), fn=EQUIVALENT, timeout=timeout, num_workers=num_workers)[0]
+            same.update(zip(pairs, (v["success"] for v in verdicts)))
+    classes = []  # [the first answer of the class, its votes, whether it was a success]
+    for a, s in votes:
         for c in classes:
-            if same[a, c[0]]:
+            if same.get((a, c[0])):
                 c[1] += 1
                 break
         else:
-            classes.append([a, 1])
-    top = max(classes, key=lambda c: c[1])  # max() keeps the first of equal counts
-    return float(same[top[0], truth])
+            classes.append([a, 1, s])
+    return float(max(classes, key=lambda c: c[1])[2]) if classes else 0.0  # max() keeps the first of a tie
 
 
 def _bench():

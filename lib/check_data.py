@@ -4,10 +4,13 @@ before it starts anything slow.
 
     python lib/check_data.py data/dapo-math-17k.parquet data/aime-2024.parquet
     python lib/check_data.py --model models/Qwen2.5-32B --checkpoint runs/dapo/checkpoints/step_000100
+    python lib/check_data.py --reward examples/countdown.py:reward data/countdown.jsonl
 
 A data file is a parquet table in the verl schema (DAPO-Math-17k, AIME-2024), JSON Lines, or a .json
 array. Each row gives `prompt` (or `problem`): a string or a list of {role, content} messages, and
-`reward_model.ground_truth` (or `answer`): a string or a number. A model is a Hugging Face directory
+`reward_model.ground_truth` (or `answer`): a string or a number for the math checker; with a reward of one's
+own (`--reward SPEC`, given before the files), any value (an object, a list). Every other column is kept
+for the reward. A model is a Hugging Face directory
 (config.json, safetensors weights) or hub name; a checkpoint is dapo.py's checkpoints/step_N. A good
 input prints what it holds; a bad one prints one line naming the file, the row and the fix, and
 exits 2.
@@ -35,7 +38,8 @@ def one_line(e, limit=200):
 DATA_FORMATS = ("give a .parquet file in the verl schema, a .jsonl file with one JSON object per line, "
                 "or a .json file holding an array of objects")
 ROW_SCHEMA = ("each row needs `prompt` (or `problem`): a string or a list of {role, content} messages, "
-              "and `answer` (or `reward_model.ground_truth`): a string or a number")
+              "and `answer` (or `reward_model.ground_truth`): a string or a number (any value with a --reward "
+              "of one's own)")
 NOT_JSON = {b"PAR1": "it is a parquet file: name it .parquet",  # what a file starts with
             b"\x1f\x8b": "it is gzip-compressed: decompress it first (gunzip)",
             b"PK\x03\x04": "it is a zip archive: extract it first",
@@ -144,9 +148,10 @@ def read_rows(path):
     return [(row, f"row {i}") for i, row in enumerate(doc)]
 
 
-def check_row(row, at):
-    """{"prompt", "answer"} of one row: `prompt` (else `problem`), a string or chat messages, and
-    `reward_model.ground_truth` (else `answer`), a string or a finite number."""
+def check_row(row, at, any_answer=False):
+    """The row, every column kept, with "prompt": `prompt` (else `problem`), a string or chat messages, and
+    "answer": `reward_model.ground_truth` (else `answer`), for the math checker a string or a finite number
+    (as a string); any_answer (a reward of one's own): any value but null, as the file gives it."""
     import decimal
     if not isinstance(row, dict):
         raise InputError(f"{at}: expected an object, got {_kind(row)} ({ROW_SCHEMA})")
@@ -185,20 +190,23 @@ def check_row(row, at):
     if answer is None:
         raise InputError(f"{at}: `reward_model` has no `ground_truth` and the row has no `answer` "
                          f"(give the expected final answer in one of them)")
+    if any_answer:
+        return {**row, "prompt": prompt, "answer": answer}
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float, decimal.Decimal)):
-        raise InputError(f"{at}: `{name}` must be a string or a number, got {_kind(answer)} "
-                         f"(give the expected final answer, e.g. \"42\")")
+        raise InputError(f"{at}: `{name}` must be a string or a number for the math checker, got "
+                         f"{_kind(answer)} (give the expected final answer, e.g. \"42\", or score it with "
+                         f"a --reward of your own)")
     if isinstance(answer, (float, decimal.Decimal)) and not math.isfinite(answer):
         raise InputError(f"{at}: `{name}` is {answer} (give the expected final answer as a string or a "
                          f"finite number)")
     if not str(answer).strip():
         raise InputError(f"{at}: empty answer (`{name}` is blank: give the expected final answer)")
-    return {"prompt": prompt, "answer": str(answer).strip()}
+    return {**row, "prompt": prompt, "answer": str(answer).strip()}
 
 
-def read(path):
-    """[{"prompt": str | chat messages, "answer": str}]: every row of the file, checked."""
-    rows = [check_row(row, f"{path} {where}") for row, where in read_rows(path)]
+def read(path, any_answer=False):
+    """Every row of the file, checked (check_row): its columns, "prompt" and "answer"."""
+    rows = [check_row(row, f"{path} {where}", any_answer) for row, where in read_rows(path)]
     if not rows:
         raise InputError(f"{path} has no rows ({DATA_FORMATS})")
     return rows
@@ -212,9 +220,9 @@ def distinct(rows):
     return list(first.values())
 
 
-def load(path, dedup=True):
+def load(path, dedup=True, any_answer=False):
     """A data file's rows; dedup keeps the first of repeated prompts (DAPO-Math-17k repeats each ~100x)."""
-    rows = read(path)
+    rows = read(path, any_answer)
     return distinct(rows) if dedup else rows
 
 
@@ -346,9 +354,6 @@ def field_helps(cls):
     return helps
 
 
-TIS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-
-
 def field_range(help):
     """A numeric field's range, from the braces in its comment: {>= 1}, {> 0}, {(0, 1]} or {[0, 1]},
     each optionally followed by ': why'. None: >= 0. Returns (low, low open?, high or None, spec, why)."""
@@ -390,31 +395,26 @@ def _ignored(cfg, losses):
     return out
 
 
-def check_config(cfg, losses):
+def check_config(cfg, losses, choices):
     """dapo.py's Config: refuse, in one line naming each flag, its value and the range it must lie in,
     settings that cannot run or would silently train wrongly: every numeric field finite and in the range
-    its comment gives (field_range), no setting the chosen --loss ignores (losses: dapo.py's LOSSES), and
-    the rules below."""
+    its comment gives (field_range), every choice flag one of its table's names (choices: {field: names},
+    dapo.py's CHOICES), no setting the chosen --loss ignores (losses: dapo.py's LOSSES), and the rules
+    below."""
     helps = field_helps(type(cfg))
     problems = [_out_of_range("--" + f.name.replace("_", "-"), getattr(cfg, f.name), helps.get(f.name, ""))
                 for f in dataclasses.fields(cfg) if type(getattr(cfg, f.name)) in (int, float)]
+    problems += [f"--{k.replace('_', '-')} must be one of {', '.join(n or repr(n) for n in names)}, not "
+                 f"{getattr(cfg, k)!r}" for k, names in choices.items() if getattr(cfg, k) not in names]
     ws = int(os.environ.get("WORLD_SIZE", "1"))
     rules = [
-        (cfg.task not in ("add", "carry"), f"--task must be add or carry, not {cfg.task!r}"),
-        (cfg.loss not in losses, f"--loss must be one of {', '.join(losses)}, not {cfg.loss!r}"),
-        (cfg.attn_impl not in ("", "flex_attention", "flash_attention_2", "sdpa"),
-         f"--attn-impl must be flex_attention, flash_attention_2 or sdpa, not {cfg.attn_impl!r}"),
         (cfg.attn_impl == "flash_attention_2" and not importlib.util.find_spec("flash_attn"),
          "--attn-impl flash_attention_2 needs the flash-attn package (pip install flash-attn)"),
         (cfg.wandb_project and not importlib.util.find_spec("wandb"),
          "--wandb-project needs Weights & Biases: pip install wandb"),
-        (cfg.save_dtype not in ("bfloat16", "float32"),
-         f"--save-dtype must be bfloat16 or float32, not {cfg.save_dtype!r}"),
         (cfg.dual_clip < 0 or 0 < cfg.dual_clip <= 1,
          f"--dual-clip {cfg.dual_clip} would zero the gradient of every A < 0 token: give c > 1 (the "
          f"reference run used 10) or 0 for off"),
-        (cfg.tis_mode not in TIS_MODES,
-         f"--tis-mode must be one of {', '.join(TIS_MODES)}, not {cfg.tis_mode!r}"),
         (cfg.tis_cap < 0 or 0 < cfg.tis_cap < 1,
          f"--tis-cap must be 0 (off) or at least 1 (verl and TRL use 2 and 3), not {cfg.tis_cap}"),
         (cfg.tis_min > 0 and not cfg.tis_cap, f"--tis-min {cfg.tis_min} needs --tis-cap: 0 turns rollout "
@@ -423,6 +423,9 @@ def check_config(cfg, losses):
          f"--tis-min {cfg.tis_min} must lie below --tis-cap {cfg.tis_cap}: no weight would be in bounds"),
         (cfg.top_p != 1.0, f"--top-p {cfg.top_p} in training biases the importance ratio (the old log-probs "
                            f"ignore the truncation): use 1.0; --eval-top-p sets evaluation"),
+        (cfg.precision == "bf16" and cpu_lacks_bf16(), "--precision bf16: this CPU has no bf16 instructions "
+                                                       "(avx512_bf16 or AMX), so bf16 would run slower than fp32: "
+                                                       "use --precision fp32, or a GPU"),
     ]
     if not any(problems) and not cfg.eval_only:  # these need valid numbers, and matter for training
         rules += [
@@ -440,32 +443,50 @@ def check_config(cfg, losses):
         raise InputError("; ".join(problems))
 
 
-def cpu_batch_note(cfg):
-    """One line for a CPU user whose --model runs with the 32B recipe's batch (Config's defaults), or None."""
+def cpu_lacks_bf16():
+    """True on an x86 CPU, with no GPU, that torch finds without bf16 instructions (avx512_bf16 or AMX); on other
+    CPUs torch cannot tell."""
+    import platform
     import torch
-    recipe = [getattr(type(cfg), k) for k in ("prompts_per_step", "group_size", "max_response_len")]
-    if not cfg.model or torch.cuda.is_available() or [cfg.prompts_per_step, cfg.group_size,
-                                                      cfg.max_response_len] != recipe:
+    if torch.cuda.is_available() or platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    return not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def cpu_batch_note(cfg):
+    """One line for a CPU user whose --model run is sized for GPUs, or None: a step of more than 2^16 response
+    tokens (the 32B recipe's is 168M; on 2 cores a ~100M model trains ~1k tokens in 10 s), or, with dynamic
+    sampling, generation batches of more than 4x the step's prompts (its default is the recipe's 1,536)."""
+    import torch
+    if not cfg.model or torch.cuda.is_available():
         return None
-    n = cfg.prompts_per_step * cfg.group_size
-    return (f"note: no GPU, and the batch is the 32B recipe's: one step generates and trains {n:,} responses "
-            f"of up to {cfg.max_response_len:,} tokens ({n * cfg.max_response_len / 1e6:.0f}M tokens); "
-            f"on a CPU "
-            f"shrink it with --prompts-per-step, --group-size, --gen-batch-size, --max-response-len and "
-            f"--num-mini-batches (python dapo.py --help shows a set for a ~100M model on a laptop)")
+    n, tokens = cfg.prompts_per_step * cfg.group_size, cfg.prompts_per_step * cfg.group_size * cfg.max_response_len
+    big = [f"one step generates and trains {n:,} responses of up to {cfg.max_response_len:,} tokens "
+           f"({tokens / 1e6:.3g}M tokens)"] if tokens > 2**16 else []
+    if cfg.dynamic_sampling and cfg.gen_batch_size > 4 * cfg.prompts_per_step:
+        big.append(f"each generation batch samples {cfg.gen_batch_size:,} prompts x {cfg.group_size} for a step "
+                   f"of {cfg.prompts_per_step} prompts (--gen-batch-size)")
+    if not big:
+        return None
+    return (f"note: no GPU, and {'; '.join(big)}: on a CPU shrink the step with --prompts-per-step, --group-size, "
+            f"--max-response-len, --num-mini-batches and --gen-batch-size (about 2x --prompts-per-step); "
+            f"tools/real_model.py's model comes with a laptop preset (python dapo.py --help)")
 
 
 def main(args):
+    any_answer = False  # --reward SPEC: the files after it are scored by a reward of one's own
     try:
         for kind, path in args:
-            if kind == "--model":
+            if kind == "--reward":
+                any_answer = True
+            elif kind == "--model":
                 print(f"{path}: {len(hf_weight_files(path)[1])} tensors, "
                       f"{check_model(path).model_type} model")
             elif kind == "--checkpoint":
                 check_checkpoint(path)
                 print(f"{path}: complete")
             else:
-                rows = read(path)
+                rows = read(path, any_answer)
                 print(f"{path}: {len(rows)} rows, {len(distinct(rows))} distinct prompts")
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -481,5 +502,5 @@ if __name__ == "__main__":
     args = []
     while argv:
         kind = argv.pop(0)
-        args.append((kind, argv.pop(0) if kind in ("--model", "--checkpoint") and argv else kind))
+        args.append((kind, argv.pop(0) if kind in ("--model", "--checkpoint", "--reward") and argv else kind))
     sys.exit(main(args))
