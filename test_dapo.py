@@ -265,8 +265,8 @@ def test_answer_classes_score_batch_agrees():
     """The batch path (in-process verdicts plus sympy workers) grades every class case alike."""
     cases = [(r, g, ok) for acc, rej in ANSWER_CLASSES.values() for ok, pairs in ((True, acc), (False, rej))
              for r, g in pairs]
-    correct, stats = score_batch([r for r, _, _ in cases], [g for _, g, _ in cases], timeout=20)
-    assert correct == [ok for _, _, ok in cases]
+    results, stats = score_batch([r for r, _, _ in cases], [{"answer": g} for _, g, _ in cases], timeout=20)
+    assert [r["success"] for r in results] == [ok for _, _, ok in cases]
     assert stats["timeouts"] == 0 and stats["errors"] == 0
 
 
@@ -314,9 +314,9 @@ def test_adversarial_is_fast(response, gt):
 def test_huge_numbers_are_decided_in_process(response):
     """score_batch must not hand such answers to a worker (it would spend the whole timeout)."""
     t = time.perf_counter()
-    correct, stats = score_batch([response] * 50, ["42"] * 50, timeout=20)
+    results, stats = score_batch([response] * 50, [{"answer": "42"}] * 50, timeout=20)
     assert time.perf_counter() - t < 0.5
-    assert correct == [False] * 50 and stats["in_process"] == 50
+    assert [r["success"] for r in results] == [False] * 50 and stats["in_process"] == 50
     assert is_equivalent("1e999999999", "10^{999999999}") and not is_equivalent("1e999999999", "1e999999998")
 
 
@@ -337,38 +337,133 @@ def test_throughput_integer_answers():
 # =========================================================================================
 # reward.py: the batch entry point with killable workers
 
-def slow_checker(response, ground_truth):
+def slow_checker(response, row):
     """A checker that hangs on 'HANG' and crashes on 'CRASH' (used by score_batch tests)."""
     if "HANG" in response:
         time.sleep(3600)
     if "CRASH" in response:
         import os
         os._exit(1)
-    return reward.is_correct(response, ground_truth)
+    return reward.is_correct(response, row["answer"])
 
 
 def test_score_batch_default_checker():
     resps = ["Answer: 42", "Answer: 41", "\\boxed{2\\sqrt{3}}", "\\boxed{\\sqrt{13}}", "nothing"]
     gts = ["42", "42", "\\sqrt{12}", "\\sqrt{12}", "1"]
-    correct, stats = score_batch(resps, gts, timeout=20)
-    assert correct == [True, False, True, False, False]
+    results, stats = score_batch(resps, [{"answer": g} for g in gts], timeout=20)
+    assert [r["success"] for r in results] == [True, False, True, False, False]
+    assert [r["reward"] for r in results] == [1.0, -1.0, 1.0, -1.0, -1.0]               # Eq. 7
+    assert [r["answer"] for r in results] == ["42", "41", "2\\sqrt{3}", "\\sqrt{13}", None]   # what maj@k votes on
     assert stats["timeouts"] == 0 and stats["in_process"] == 3   # two needed sympy workers
 
 
 def test_score_batch_kills_a_hanging_item():
     resps = ["Answer: 1", "HANG", "Answer: 3", "CRASH", "Answer: 5", "Answer: 9"]
-    gts = ["1", "2", "3", "4", "5", "6"]
+    rows = [{"answer": str(i)} for i in range(1, 7)]
     t = time.perf_counter()
-    correct, stats = score_batch(resps, gts, timeout=1.5, num_workers=2, fn="test_dapo:slow_checker")
+    results, stats = score_batch(resps, rows, timeout=1.5, num_workers=2, fn="test_dapo:slow_checker")
     took = time.perf_counter() - t
-    assert correct == [True, False, True, False, True, False]
+    assert [r["success"] for r in results] == [True, False, True, False, True, False]
+    assert [r["reward"] for r in results] == [1.0, -1.0, 1.0, -1.0, 1.0, -1.0]
     assert stats["timeouts"] == 1 and stats["errors"] == 1
     assert took < 60, took   # the hang is 3600 s; 60 s leaves room for slow worker start-up under load
     pool = reward._POOL["test_dapo:slow_checker"]
     assert len(pool) == 2 and all(w.proc.poll() is None for w in pool)   # killed workers replaced in place
     # the pool is healthy afterwards
-    correct, stats = score_batch(["Answer: 7"], ["7"], timeout=5, fn="test_dapo:slow_checker")
-    assert correct == [True] and stats["timeouts"] == 0
+    results, stats = score_batch(["Answer: 7"], [{"answer": "7"}], timeout=5, fn="test_dapo:slow_checker")
+    assert results[0]["success"] and stats["timeouts"] == 0
+
+
+def test_reward_contract_takes_a_bool_a_number_or_a_dict():
+    """reward.as_result, the contract's one reading of what a reward function returns: a bool is Eq. 7's ±1; a
+    number is the reward, a success where > 0; a dict gives "reward" (or verl's "score"), "success", "answer"
+    (kept as text) and other numbers as metrics. Anything else is refused with what to return."""
+    assert reward.as_result(True) == {"reward": 1.0, "success": True}
+    assert reward.as_result(False) == {"reward": -1.0, "success": False}
+    assert reward.as_result(0.25) == {"reward": 0.25, "success": True}
+    assert reward.as_result(0) == {"reward": 0.0, "success": False}
+    assert reward.as_result({"reward": 0.1, "success": False, "answer": 42, "format": 1, "note": "x"}) == {
+        "reward": 0.1, "success": False, "answer": "42", "metrics": {"format": 1.0}}
+    assert reward.as_result({"score": -0.5, "acc": True, "pred": "7"}) == {           # verl's compute_score dict
+        "reward": -0.5, "success": False, "metrics": {"acc": 1.0}}
+    assert reward.as_result({"reward": 2, "answer": None}) == {"reward": 2.0, "success": True, "answer": None}
+    for garbage in (None, "yes", [1.0], float("nan"), float("inf"), {"success": True}, {"reward": "1"},
+                    {"reward": True}, {"reward": 1.0, "success": "maybe"}):
+        with pytest.raises(ValueError, match="return|reward|success"):
+            reward.as_result(garbage)
+
+
+OWN_REWARD = """
+import os, sys, time
+def graded(response, row):
+    # 1 for the target, 0.1 for any other number; row: the ground truth as a dict and every other column
+    if "RAISE" in response:
+        raise KeyError("target")
+    if "HANG" in response:
+        time.sleep(3600)
+    if "GARBAGE" in response:
+        return "yes"
+    print("debugging output goes to stderr, never into the answers")
+    right = response == str(row["answer"]["target"])
+    return {"reward": 1.0 if right else 0.1, "success": right, "answer": response, "pid": os.getpid(),
+            "in_trainer": float("torch" in sys.modules), "level": row["level"]}
+"""
+
+
+def test_a_reward_of_ones_own_sees_the_whole_row_in_a_worker_process(tmp_path, capsys):
+    """--reward path/to/file.py:function through score_batch: it gets the response and the whole row (a dict
+    ground truth, another column), runs in worker processes (another pid; torch, which the trainer's process
+    holds, never imported), and its floats, successes, answers and metrics come back. A response on which it
+    raises, returns garbage or hangs (killed at the timeout) scores -1, not a success, and is counted; the
+    first error is printed once, on one line."""
+    (tmp_path / "own.py").write_text(OWN_REWARD)
+    spec = f"{tmp_path / 'own.py'}:graded"
+    rows = [{"prompt": "p", "answer": {"target": 46, "numbers": [3, 7, 25]}, "level": 3}] * 6
+    results, stats = score_batch(["46", "45", "RAISE", "GARBAGE", "HANG", "46"], rows, fn=spec, timeout=2.0)
+    assert [r["reward"] for r in results] == [1.0, 0.1, -1.0, -1.0, -1.0, 1.0]
+    assert [r["success"] for r in results] == [True, False, False, False, False, True]
+    assert results[1]["answer"] == "45" and "answer" not in results[2]
+    assert stats == {"timeouts": 1, "errors": 2, "in_process": 0}
+    for r in (results[0], results[1], results[5]):
+        assert r["metrics"]["pid"] != os.getpid() and r["metrics"]["in_trainer"] == 0 and r["metrics"]["level"] == 3
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "reward/errors" in warnings[0], err        # whichever failed first, in one line
+    assert "KeyError: 'target'" in warnings[0] or "returned str 'yes': return a bool, a number or a dict" in warnings[0]
+
+
+BAD_REWARDS = {"crash_on_import.py": "import os\nos._exit(3)\n", "syntax_error.py": "def f(:\n",
+               "raises_on_import.py": "raise RuntimeError('no GPU here')\n",
+               "ok.py": "def three(a, b, c):\n    return True\n", "hangs.py": "import time\ntime.sleep(3600)\n"}
+
+
+def test_a_bad_reward_is_refused_in_one_line_before_vllm_starts(tmp_path):
+    """A --reward whose module does not import (missing, a syntax error, an exception, a crash), a missing file
+    or function, a function that cannot take (response, row), or a malformed spec: dapo.py exits 2 with one line
+    naming it, before vLLM is imported. The module is imported by a worker process at start-up, never by the
+    trainer's. A module whose import hangs is refused once its time is up (here 3 s; dapo.py allows 60)."""
+    for name, text in BAD_REWARDS.items():
+        (tmp_path / name).write_text(text)
+    d = str(tmp_path)
+    cases = {"nosuchmodule:f": "importing nosuchmodule failed (ModuleNotFoundError",
+             f"{d}/syntax_error.py:f": "importing " + d + "/syntax_error.py failed (SyntaxError",
+             f"{d}/raises_on_import.py:f": "failed (RuntimeError: no GPU here)",
+             f"{d}/crash_on_import.py:f": "exited while loading it (exit code 3)",
+             f"{d}/missing.py:f": "no such file",
+             f"{d}/ok.py:two": "has no function two (it has three)",
+             f"{d}/ok.py:three": "three(a, b, c) cannot be called as three(response, row)",
+             "justamodule": "give module:function or path/to/file.py:function"}
+    code = ("import sys, dapo\nfor spec in sys.argv[1:]:\n    try:\n        dapo.main(['--reward', spec])\n"
+            "    except SystemExit as e:\n        print('exit', e.code)\n"
+            "print('vllm imported' if 'vllm' in sys.modules else 'vllm never imported')\n")
+    out = _run([sys.executable, "-c", code, *cases], timeout=300)
+    lines = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.stdout.split() == ["exit", "2"] * len(cases) + ["vllm", "never", "imported"], out.stdout + out.stderr
+    assert len(lines) == len(cases), out.stderr
+    for line, (spec, why) in zip(lines, cases.items()):
+        assert line.startswith(f"error: --reward {spec if ':' in spec else repr(spec)}") and why in line, (line, why)
+    with pytest.raises(ValueError, match="took over 3 s"):
+        reward.check_reward(f"{d}/hangs.py:f", timeout=3)
 
 
 # =========================================================================================
@@ -427,7 +522,20 @@ def test_import_is_cheap_and_side_effect_free():
     assert out.stdout.strip() == "ok", out.stderr
 
 
-def test_group_advantages_hand_values():
+def test_eq9_advantage_estimators_hand_values():
+    """--adv-estimator: grpo (Eq. 9, below), dr_grpo (R - mean) and rloo (R - the mean of the other G - 1) on
+    [1, -1, 1, 1]: RLOO's is G / (G - 1) times Dr. GRPO's. --loss dr_grpo presets dr_grpo, and set_advantages
+    uses the flag."""
+    r = torch.tensor([1.0, -1.0, 1.0, 1.0])
+    assert dapo.group_advantages(r, 4, "dr_grpo").tolist() == [0.5, -1.5, 0.5, 0.5]
+    torch.testing.assert_close(dapo.group_advantages(r, 4, "rloo"), torch.tensor([2 / 3, -2.0, 2 / 3, 2 / 3]))
+    torch.testing.assert_close(dapo.group_advantages(torch.tensor([0.1, 0.1, 0.4]), 3, "rloo"),
+                               torch.tensor([-0.15, -0.15, 0.3]))
+    assert dapo.parse_config(["--loss", "dr_grpo"]).adv_estimator == "dr_grpo"
+    assert dapo.parse_config(["--loss", "dr_grpo", "--adv-estimator", "rloo"]).adv_estimator == "rloo"
+    samples = [{"reward": x} for x in r.tolist()]
+    dapo.set_advantages(samples, dapo.Config(group_size=4, adv_estimator="rloo"))
+    assert [s["adv"] for s in samples] == pytest.approx([2 / 3, -2.0, 2 / 3, 2 / 3])
     adv = dapo.group_advantages(torch.tensor([1.0, -1.0, 1.0, 1.0, 1.0, -1.0]), group_size=3)
     # group 1: mean 1/3, unbiased std sqrt(4/3); group 2 likewise, mirrored
     s = math.sqrt(4 / 3) + 1e-6
@@ -444,10 +552,33 @@ def test_overlong_penalty_eq13_pieces():
     torch.testing.assert_close(got, torch.tensor([0, 0, 0, -0.25, -0.5, -1.0, -1.0, -1.0]))
 
 
-def test_dynamic_sampling_mask():
-    correct = torch.tensor([1, 1, 1, 0, 0, 0, 1, 0, 0, 0, 1, 1], dtype=torch.bool)
-    got = dapo.dynamic_sampling_mask(correct, group_size=3)
-    assert got.tolist() == [False, False, True, True]
+def test_eq11_dynamic_sampling_keeps_the_groups_whose_rewards_differ():
+    """Eq. 11 keeps a group when 0 < #correct < G. On Eq. 7's ±1 rewards, "not all rewards equal" is exactly
+    that, for every group of 1,000 random ones; a graded reward keeps the groups with a spread (a group all at
+    0.1 is dropped, one of 0.1 and 0.3 kept)."""
+    scores = torch.tensor([1, 1, 1, -1, -1, -1, 1, -1, -1, -1, 1, 1], dtype=torch.float)
+    assert dapo.dynamic_sampling_mask(scores, group_size=3).tolist() == [False, False, True, True]
+    g = torch.Generator().manual_seed(0)
+    for G in (2, 3, 8):
+        correct = torch.rand(1000 * G, generator=g) < torch.rand(1000, generator=g).repeat_interleave(G)
+        n = correct.view(-1, G).sum(1)
+        eq11 = (n > 0) & (n < G)
+        assert eq11.any() and not eq11.all()
+        assert torch.equal(dapo.dynamic_sampling_mask(correct.float() * 2 - 1, G), eq11)
+    graded = torch.tensor([0.1, 0.1, 0.1, 0.1, 0.3, 0.1, 0.0, 0.0, 0.0])
+    assert dapo.dynamic_sampling_mask(graded, 3).tolist() == [False, True, False]
+
+
+def test_eq11_filters_before_eq13_shapes_the_rewards():
+    """collect_batch filters on the reward's score, not on the shaped reward: an all-wrong group whose lengths
+    fall in Eq. 13's soft zone has shaped rewards that differ (-1.25, -1.5, -1), and is still dropped."""
+    cfg = dapo.Config(prompts_per_step=1, group_size=3, gen_batch_size=2, max_gen_batches=1, max_response_len=8,
+                      overlong_cache_len=4)
+    wrong = [{"score": -1.0, "success": False, "len": n} for n in (5, 6, 3)]
+    mixed = [{"score": s, "success": s > 0, "len": 2} for s in (1.0, -1.0, -1.0)]
+    assert len(set(dapo.shape_rewards(wrong, cfg).tolist())) == 3
+    kept, seen, m = dapo.collect_batch(lambda idx, b: ([wrong, mixed], {}), dapo.Sampler(2, 0), cfg)
+    assert kept == [mixed] and seen == [wrong, mixed] and m["filter/kept_frac"] == 0.5
 
 
 def _loss(logp, old, adv, mask, token_level=True, num_tokens=None, num_samples=None, tis_weight=None, **cfg):
@@ -516,7 +647,7 @@ def test_shape_rewards_and_advantages_hand_values():
     """Eq. 7 + Eq. 13 with L_max 10, L_cache 4 (the soft zone starts after 6 tokens), then Eq. 9 per
     group of 3: a uniform group gets 0 and does not count as effective; punishment off: +-1 only."""
     cfg = dapo.Config(max_response_len=10, overlong_cache_len=4, group_size=3)
-    samples = [{"correct": c, "len": n} for c, n in
+    samples = [{"score": 1.0 if c else -1.0, "len": n} for c, n in
                [(True, 4), (True, 8), (False, 12), (True, 5), (True, 6), (True, 3)]]
     rewards = dapo.shape_rewards(samples, cfg)
     torch.testing.assert_close(rewards, torch.tensor([1.0, 1.0 - 0.5, -1.0 - 1.0, 1.0, 1.0, 1.0]))
@@ -652,8 +783,9 @@ def test_cispo_keeps_the_gradient_beyond_the_clip_with_its_weight_capped():
 def test_dr_grpo_divides_by_a_constant_and_keeps_the_mean_centred_advantage():
     """Dr. GRPO: A_i = R_i - mean (no std) and the loss divided by L_max x samples (here 8 x 4), whatever
     the lengths and even where overlong filtering masks a sample; each token's gradient is -A / 32."""
-    cfg = dapo.Config(loss="dr_grpo", max_response_len=8, group_size=4, soft_overlong_punishment=False)
-    samples = [dict(s, correct=c) for s, c in zip(_stubs([2, 3, 1, 4], truncated=(3,)), (True, False, False, False))]
+    cfg = dapo.Config(loss="dr_grpo", **dapo.LOSSES["dr_grpo"]["preset"], max_response_len=8, group_size=4,
+                      soft_overlong_punishment=False)   # the preset: --adv-estimator dr_grpo
+    samples = [dict(s, score=r) for s, r in zip(_stubs([2, 3, 1, 4], truncated=(3,)), (1.0, -1.0, -1.0, -1.0))]
     for s, r in zip(samples, dapo.shape_rewards(samples, cfg).tolist()):
         s["reward"] = r
     assert dapo.set_advantages(samples, cfg) == 1
@@ -884,7 +1016,8 @@ def _stub_sample_fn(G, uniform=lambda i: i % 3 != 2):
                 flags = [i % 3 == 0] * G
             else:
                 flags = [k < G // 2 for k in range(G)]
-            groups.append([{"row": i, "correct": c, "response_ids": [1], "truncated": False} for c in flags])
+            groups.append([{"row": i, "score": 1.0 if c else -1.0, "success": c, "response_ids": [1],
+                            "truncated": False} for c in flags])
         return groups, {"time/rollout": 0.0}
     return fn, calls
 
@@ -956,14 +1089,27 @@ def _write_parquet(path, rows):
 
 
 def test_load_data_formats(tmp_path):
+    """Rows keep every column (the reward gets the whole row), with "prompt" and "answer" added: the ground truth
+    as a string for the math checker. With a reward of one's own (any_answer) it stays as the file gives it, a
+    dict or a list included (TinyZero's Countdown); the math checker refuses that in one line."""
     msgs = [{"role": "user", "content": "What is 1+1?"}]
     p = tmp_path / "d.parquet"
-    _write_parquet(p, [{"prompt": msgs, "reward_model": {"ground_truth": "2", "style": "rule"}}] * 3)
-    assert dapo.load_data(str(p)) == [{"prompt": msgs, "answer": "2"}]          # de-duplicated
+    verl = {"prompt": msgs, "reward_model": {"ground_truth": "2", "style": "rule"}, "data_source": "toy"}
+    _write_parquet(p, [verl] * 3)
+    assert dapo.load_data(str(p)) == [{**verl, "answer": "2"}]                  # de-duplicated
     assert len(dapo.load_data(str(p), dedup=False)) == 3
     j = tmp_path / "d.jsonl"
-    j.write_text('{"problem": "1+2", "answer": 3}\n\n{"prompt": "2+2", "answer": "4"}\n')
-    assert dapo.load_data(str(j)) == [{"prompt": "1+2", "answer": "3"}, {"prompt": "2+2", "answer": "4"}]
+    j.write_text('{"problem": "1+2", "answer": 3, "level": 1}\n\n{"prompt": "2+2", "answer": "4"}\n')
+    assert dapo.load_data(str(j)) == [{"problem": "1+2", "prompt": "1+2", "answer": "3", "level": 1},
+                                      {"prompt": "2+2", "answer": "4"}]
+    countdown = {"prompt": "Reach 46 with [3, 7, 25]", "reward_model": {"ground_truth": {"target": 46, "numbers": [3, 7, 25]}}}
+    _write_parquet(p, [countdown])
+    assert dapo.load_data(str(p), any_answer=True) == [{**countdown, "answer": {"target": 46, "numbers": [3, 7, 25]}}]
+    j.write_text('{"prompt": "list", "answer": [1, 2]}\n')
+    assert dapo.load_data(str(j), any_answer=True) == [{"prompt": "list", "answer": [1, 2]}]
+    with pytest.raises(dapo.DapoError, match=r"row 0: `reward_model.ground_truth` must be a string or a number for "
+                                             r"the math checker, got an object .*--reward of your own\)$"):
+        dapo.load_data(str(p))
 
 
 def test_bad_data_gives_one_line_errors(tmp_path):
@@ -1002,6 +1148,18 @@ def test_unknown_model_gives_one_line_error(tmp_path, monkeypatch):
         dapo.check_model(str(tmp_path), 22528)
 
 
+def test_a_choice_flag_is_checked_from_its_table(monkeypatch):
+    """Every choice flag is checked against its table in dapo.py (CHOICES): a new entry, e.g. an advantage
+    estimator, is accepted with no change in lib/, and a name no table holds is refused."""
+    cfg = dapo.Config(adv_estimator="maxrl")
+    with pytest.raises(dapo.DapoError, match="--adv-estimator must be one of grpo, dr_grpo, rloo, not 'maxrl'"):
+        dapo.check_config(cfg)
+    monkeypatch.setitem(dapo.ADV_ESTIMATORS, "maxrl", "a fork's estimator")
+    dapo.check_config(cfg)
+    assert set(dapo.CHOICES) >= {"task", "loss", "adv_estimator", "tis_mode", "attn_impl", "save_dtype"}
+    assert all(isinstance(getattr(cfg, k), str) for k in dapo.CHOICES)
+
+
 def test_bad_config_is_refused():
     with pytest.raises(dapo.DapoError, match="does not split into 3 mini-batches"):
         dapo.check_config(dapo.Config(prompts_per_step=5, group_size=2, num_mini_batches=3))
@@ -1011,10 +1169,11 @@ def test_bad_config_is_refused():
     (["--tp-size", "3"], "--tp-size 3 does not divide the 1 ranks"),
     (["--group-size", "1"], "--group-size must be at least 2 (Eq. 9 needs a group) (got 1)"),
     (["--overlong-cache-len", "8", "--max-response-len", "8"], "--overlong-cache-len must lie between 0 and"),
-    (["--task", "mult"], "--task must be add or carry, not 'mult'"),
+    (["--task", "mult"], "--task must be one of add, carry, not 'mult'"),
     (["--loss", "ppo"], f"--loss must be one of {', '.join(dapo.LOSSES)}, not 'ppo'"),
-    (["--attn-impl", "flash"], "--attn-impl must be flex_attention, flash_attention_2 or sdpa, not 'flash'"),
-    (["--save-dtype", "float16"], "--save-dtype must be bfloat16 or float32, not 'float16'"),
+    (["--adv-estimator", "ppo"], "--adv-estimator must be one of grpo, dr_grpo, rloo, not 'ppo'"),
+    (["--attn-impl", "flash"], "--attn-impl must be one of '', flex_attention, flash_attention_2, sdpa, not 'flash'"),
+    (["--save-dtype", "float16"], "--save-dtype must be one of bfloat16, float32, not 'float16'"),
     (["--hf-shard-gb", "0"], "--hf-shard-gb must be positive (got 0.0)"),
     (["--gen-batch-size", "0"], "--gen-batch-size must be at least 1 (got 0)"),
 ])
@@ -1734,7 +1893,7 @@ def test_log_ratio_is_clamped_before_exp():
     (["--top-entropy-quantile", "0"], "--top-entropy-quantile must lie in (0, 1] (got 0.0)"),
     (["--tis-cap", "2", "--tis-min", "2"], "--tis-min 2.0 must lie below --tis-cap 2.0"),
     (["--tis-min", "0.5"], "--tis-min 0.5 needs --tis-cap: 0 turns rollout correction off"),
-    (["--tis-mode", "seq"], "--tis-mode must be one of token_truncate, token_mask, sequence_truncate, sequence_mask"),
+    (["--tis-mode", "seq"], "--tis-mode must be one of token_truncate, token_mask, sequence_truncate, sequence_mask, not 'seq'"),
 ])
 def test_config_values_that_would_train_wrongly_are_refused(flags, message):
     with pytest.raises(dapo.DapoError, match=re.escape(message)):
@@ -1847,7 +2006,7 @@ def _traffic_worker(out_path):
                 held.extend(mine)
                 # the old scheme: all_gather_object of every TP leader's full samples
                 old = [{k: s[k] for k in ("pos", "row", "prompt_ids", "response_ids", "vllm_logp", "truncated",
-                                          "text", "correct")} for s in mine]
+                                          "text", "success")} for s in mine]
                 before += dapo.all_gather_objects(old if dapo.rank() % tp == 0 else [])[1]
                 return groups, t
             kept, seen, m = dapo.collect_batch(sample_fn, sampler, cfg)
@@ -1872,7 +2031,7 @@ def _traffic_worker(out_path):
                 if s["trainer"] != dapo.rank():
                     assert "vllm_logp" not in s and "response_ids" not in s   # a stub: metadata only
             # the decisions agree across ranks
-            view = [(s["row"], s["correct"], s["len"], s["truncated"], s["reward"], s["adv"], s["trainer"]) for s in samples]
+            view = [(s["row"], s["success"], s["len"], s["truncated"], s["reward"], s["adv"], s["trainer"]) for s in samples]
             views = dapo.all_gather_objects(view)[0]
             assert all(v == views[0] for v in views) and m["sync/tp_mismatch"] == 0
             report[f"tp{tp} step{step}"] = dict(before=before, meta=m["comm/meta_bytes"], tokens=tokens, share=share,
@@ -2511,15 +2670,22 @@ def _word_problems(path, held_out):
     return str(path)
 
 
-# The base model rarely writes an `Answer:` line, so its rewards are often all equal and GRPO's advantages all 0:
-# no update, and nothing for the sync to carry. This run rewards each response by its length in characters
-# (a fork's one-line change), which differs within a group, and trains truncated responses too.
-VARIED_REWARD = ("import gc, sys, torch, dapo; gc.disable(); sys.argv[0] = 'dapo.py'; dapo.shape_rewards = "
-                 "lambda samples, cfg: torch.tensor([len(s['text']) / 100 for s in samples]); "
-                 "dapo.main(exiting=True); dapo.exit_now(0)")  # as dapo.py ends
+# The base model rarely writes an `Answer:` line in these prompts, so the math checker's rewards are often all
+# equal and GRPO's advantages all 0: no update, and nothing for the sync to carry. This run names a graded reward
+# of its own (--reward FILE.py:length), which differs within a group (the response's length), and trains
+# truncated responses too; its successes and answers are the math checker's, which it imports.
+LENGTH_REWARD = """
+import sys
+from reward import extract_answer, is_equivalent
+
+def length(response, row):
+    answer = extract_answer(response)
+    return {"reward": len(response) / 100, "success": is_equivalent(answer, row["answer"]), "answer": answer,
+            "in_trainer": float("vllm" in sys.modules)}
+"""
 REAL_ARGS = ["--no-overlong-filtering", "--max-prompt-len", "256", "--max-response-len", "32",
              "--overlong-cache-len", "8", "--prompts-per-step", "2", "--group-size", "2", "--gen-batch-size", "2",
-             "--no-dynamic-sampling", "--num-mini-batches", "1", "--micro-batch-size", "4", "--lr", "1e-4", "--warmup-steps", "1",
+             "--num-mini-batches", "1", "--micro-batch-size", "4", "--lr", "1e-4", "--warmup-steps", "1",
              "--eval-samples", "2", "--eval-max-prompts", "4", "--log-samples", "4"]
 
 
@@ -2530,7 +2696,10 @@ def test_a_real_pretrained_model_through_the_whole_loop(real_model, tmp_path):
     length limit; step 2 is generated after an update, and vLLM's log-probs equal the trainer's there (mean
     gap < 1e-4), while the update moved them far more; the export holds the trainer's fp32 weights bit for
     bit and gives its logits in transformers, and keeps the chat template and EOS that a resumed run reads
-    from it; evaluation reports avg@k, pass@k and maj@k. Rewards: VARIED_REWARD. Not here, for CI's time
+    from it; evaluation reports avg@k, pass@k and maj@k. The reward is a graded one of the test's own
+    (LENGTH_REWARD, named by --reward), run in the reward workers, never in the trainer's process: dynamic
+    sampling keeps the groups whose rewards differ, its answers give maj@k, and its metric is logged. Not here,
+    for CI's time
     (each run of this model takes ~40-60 s): a resumed run and the bf16 export, which the built-in model's
     tests cover (test_resume_after_a_failed_save_reproduces_a_straight_run,
     test_hf_export_is_sharded_and_loads_in_transformers); docs/real-model.md measures resume on this model."""
@@ -2541,16 +2710,20 @@ def test_a_real_pretrained_model_through_the_whole_loop(real_model, tmp_path):
     assert tok.eos_token == "<|im_end|>" and eos == tok.convert_tokens_to_ids("<|im_end|>")
     data = [_word_problems(tmp_path / f"{name}.jsonl", held) for held, name in enumerate(("train", "eval"))]
     t0 = time.monotonic()
-    out = _run([sys.executable, "-c", VARIED_REWARD, "--model", real_model, "--train-data", data[0], "--eval-data",
-                data[1], *REAL_ARGS, "--steps", "2", "--save-dtype", "float32",
+    (tmp_path / "graded.py").write_text(LENGTH_REWARD)
+    out = _run([sys.executable, "dapo.py", "--model", real_model, "--train-data", data[0], "--eval-data", data[1],
+                *REAL_ARGS, "--reward", f"{tmp_path / 'graded.py'}:length", "--steps", "2", "--save-dtype", "float32",
                 "--out-dir", str(tmp_path / "run")], timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     print(f"real model: 2 steps in {time.monotonic() - t0:.0f} s")
     for tag in ("before", "after"):
-        assert re.search(rf"eval \({tag}\): eval/avg@2 \d\.\d+  eval/pass@2 \d\.\d+  eval/maj@2 \d\.\d+",
-                         out.stdout), out.stdout[-2000:]
+        assert re.search(rf"eval \({tag}\): eval/avg@2 \d\.\d+  eval/pass@2 \d\.\d+  eval/maj@2 \d\.\d+  "
+                         rf"eval/answered \d\.\d+", out.stdout), out.stdout[-2000:]
     rows = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:   # the graded reward, filtered by dynamic sampling on its spread, never run in the trainer
+        assert r["score/in_trainer"] == 0 and r["reward/errors"] == 0 and r["filter/kept_frac"] > 0
+        assert 0 < r["score/mean"] and r["reward/mean"] <= r["score/mean"]   # Eq. 13 only ever subtracts
     gaps = [r["sync/logp_diff_mean"] for r in rows]
     samples = [json.loads(x) for x in open(tmp_path / "run" / "samples.jsonl")]
     print(f"sync/logp_diff_mean per step {gaps}, max {[r['sync/logp_diff_max'] for r in rows]}; truncated "
@@ -2576,6 +2749,75 @@ def test_a_real_pretrained_model_through_the_whole_loop(real_model, tmp_path):
     moved = _logprob_change(real_model, str(ckpt / "model"), ids)
     print(f"log-probs moved up to {moved:.2e} by two updates")
     assert moved > 1e-2
+
+
+# --- examples/: tasks of one's own (not imported by dapo.py) ------------------------------------
+
+def _example(name):
+    sys.path.insert(0, os.path.join(HERE, "examples"))
+    return __import__(name)
+
+
+def test_countdown_reward_hand_values_and_hostile_inputs():
+    """examples/countdown.py's reward (TinyZero's scores: 1 right, 0.1 well-formed, 0 none) on numbers [3, 7, 25]
+    and target 46: each number at most once, exact fractions, the last <answer> wins. Model text is parsed with
+    ast and never evaluated: a call (__import__), a power tower (9**9**9), a division by zero and a 100 kB
+    expression each score in well under a second, as wrong."""
+    countdown = _example("countdown")
+    row = {"prompt": "...", "answer": {"target": 46, "numbers": [3, 7, 25]}}
+    score = lambda text: countdown.reward(text, row)["reward"]  # noqa: E731
+    assert countdown.reward("<answer>25 + 3 * 7</answer>", row) == {"reward": 1.0, "success": True, "formatted": 1.0}
+    assert score("<think>7 * 3 = 21</think> <answer> (7*3) + 25 </answer>") == 1.0
+    assert score("<answer>25 + 7 + 7 + 7</answer>") == 0.1          # 7 used three times
+    assert score("<answer>25 + 21</answer>") == 0.1                 # 21 is not given
+    assert score("<answer>(25 + 3) * 7</answer>") == 0.1            # 196
+    assert score("<answer>25 * 7 / (3 + 7 - 7)</answer>") == 0.1    # 175/3: no rounding, and 7 twice
+    assert score("<answer>46</answer> <answer>25 + 3*7</answer>") == 1.0    # the last one counts
+    assert score("The answer is 25 + 3 * 7") == 0.0 and score("<answer></answer>") == 0.0
+    assert countdown.reward("<answer>7 / 2 * 6</answer>", {"answer": {"target": 21, "numbers": [7, 2, 6]}})["success"]
+    hostile = ["<answer>__import__('os').system('echo hi')</answer>", "<answer>9**9**9</answer>",
+               "<answer>25 / (7 - 7) + 3</answer>", "<answer>" + "3+" * 50_000 + "3</answer>",
+               "<answer>" + "(" * 99 + "3" + ")" * 99 + "</answer>", "<answer>-3 + 49</answer>", "<answer>True + 45</answer>"]
+    for text in hostile:
+        t = time.perf_counter()
+        got = countdown.reward(text, row)
+        assert time.perf_counter() - t < 1.0 and not got["success"], text[:40]
+    assert [score(t) for t in hostile] == [0.0, 0.0, 0.1, 0.0, 0.1, 0.0, 0.0]
+    assert "eval(" not in open(os.path.join(HERE, "examples", "countdown.py")).read().replace("literal_eval(", "")
+
+
+def test_countdown_puzzles_are_solvable_and_never_give_the_target_away(tmp_path):
+    """examples/countdown.py writes JSONL whose ground truth is a dict; dapo.py reads it with a reward of its own
+    (and refuses it for the math checker); no puzzle's target is one of its numbers."""
+    countdown = _example("countdown")
+    countdown.main([str(tmp_path), "--train", "300", "--held-out", "20"])
+    rows = dapo.load_data(str(tmp_path / "train.jsonl"), dedup=False, any_answer=True)
+    assert len(rows) == 300 and len(dapo.load_data(str(tmp_path / "eval.jsonl"), any_answer=True)) == 20
+    for r in rows:
+        t = r["answer"]
+        assert t["target"] not in t["numbers"] and 3 <= len(t["numbers"]) <= 4 and 1 <= t["target"] <= 999
+        assert str(t["numbers"]) in r["prompt"] and str(t["target"]) in r["prompt"]
+    with pytest.raises(dapo.DapoError, match="must be a string or a number for the math checker"):
+        dapo.load_data(str(tmp_path / "eval.jsonl"))
+
+
+def test_fewshot_addition_rows_hold_two_worked_examples(tmp_path):
+    """examples/fewshot_addition.py: each prompt is two worked examples as earlier chat turns (user, assistant:
+    "Answer: <sum>"), then the question; the math checker scores the format the examples show; the held-out
+    split never appears in training."""
+    fewshot = _example("fewshot_addition")
+    fewshot.main([str(tmp_path)])
+    train, held = (dapo.load_data(str(tmp_path / f"{n}.jsonl")) for n in ("train", "eval"))
+    assert len(held) == 64 and len(train) == 90 * 90 - 64 - 2
+    for r in train[:50] + held:
+        roles = [m["role"] for m in r["prompt"]]
+        assert roles == ["user", "assistant", "user", "assistant", "user"]
+        a, b = map(int, re.findall(r"\d+", r["prompt"][-1]["content"]))
+        assert r["answer"] == str(a + b) and reward.is_correct(f"Answer: {a + b}", r["answer"])
+        for q, shown in zip(r["prompt"][:4:2], r["prompt"][1:4:2]):
+            x, y = map(int, re.findall(r"\d+", q["content"]))
+            assert shown["content"] == f"Answer: {x + y}"
+    assert not {json.dumps(r["prompt"]) for r in held} & {json.dumps(r["prompt"]) for r in train}
 
 
 # --- bad input and Ctrl-C: one line, never a traceback --------------------------------------
@@ -2744,13 +2986,15 @@ def test_data_files_users_have_load(tmp_path):
     (tmp_path / "lines.json").write_text(lines)
     (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + lines.replace("\n", "\r\n").encode())
     (tmp_path / "b.jsonl").write_text(lines + "\n\n")
+    want = [{**r, **w} for r, w in zip(rows, want)]                       # every column kept
     for name in ("a.json", "lines.json", "bom.jsonl", "b.jsonl"):
         assert dapo.load_data(str(tmp_path / name)) == want, name
     pq.write_table(pa.table({"prompt": ["1+1", None], "problem": [None, "2+2"],
                              "answer": pa.array([decimal.Decimal("2"), decimal.Decimal("4.5")], pa.decimal128(4, 1)),
                              "extra_info": [{"split": "train"}, None]}), tmp_path / "p.parquet")
-    assert dapo.load_data(str(tmp_path / "p.parquet")) == [{"prompt": "1+1", "answer": "2.0"},
-                                                           {"prompt": "2+2", "answer": "4.5"}]
+    assert dapo.load_data(str(tmp_path / "p.parquet")) == [
+        {"prompt": "1+1", "problem": None, "answer": "2.0", "extra_info": {"split": "train"}},
+        {"prompt": "2+2", "problem": "2+2", "answer": "4.5", "extra_info": None}]
 
 
 def _alive_in_session(sid):
@@ -3047,9 +3291,11 @@ def test_sync_diff_stats_hand_values():
 
 
 def test_evaluate_aggregates_exact_values(monkeypatch, capsys):
-    """evaluate() on known correctness and answers (the sampler stubbed): avg@k, unbiased pass@k and maj@k
+    """evaluate() on known successes and answers (the sampler stubbed): avg@k, unbiased pass@k and maj@k
     over the prompts, maj@k ties to the first answer seen, per-level means, the share of responses that
-    give an answer at all (eval/answered), --eval-max-prompts."""
+    give an answer at all (eval/answered), --eval-max-prompts. The math checker votes by equivalence class
+    ("2" and "2.0" are one answer); a reward of one's own that gives answers votes by identical answers, and
+    one that gives none reports neither maj@k nor eval/answered."""
     rows = [{"answer": "1", "level": 1}, {"answer": "2", "level": 1}, {"answer": "3", "level": 2},
             {"answer": "4", "level": 2}, {"answer": "5", "level": 2}]
     graded = [[(True, "1"), (False, "7"), (False, "7"), (False, "7")],      # 1/4 right, majority 7: wrong
@@ -3057,67 +3303,79 @@ def test_evaluate_aggregates_exact_values(monkeypatch, capsys):
               [(False, "8"), (True, "3"), (False, "9"), (False, None)],     # a tie of three: "8" first, wrong
               [(True, "4"), (True, "4"), (True, "4"), (True, "4")],
               [(True, "5")] * 4]                                            # beyond --eval-max-prompts 4
+    answers = True
 
-    def stub(run, rows_, ids, idx, n, temperature, top_p, key, answers=False):
-        assert n == 4 and answers and list(idx) == [0, 1, 2, 3]
-        return [[{"correct": c, "answer": a} for c, a in graded[i]] for i in idx], {}
+    def stub(run, rows_, ids, idx, n, temperature, top_p, key):
+        assert n == 4 and list(idx) == [0, 1, 2, 3]
+        return [[{"success": c, **({"answer": a} if answers else {})} for c, a in graded[i]] for i in idx], {}
 
     monkeypatch.setattr(dapo, "sample_groups", stub)
     cfg = dapo.Config(eval_samples=4, eval_max_prompts=4)
-    out = dapo.evaluate(types.SimpleNamespace(cfg=cfg, eval_rows=rows, eval_ids=[[1]] * 5), "test")
+    run = types.SimpleNamespace(cfg=cfg, eval_rows=rows, eval_ids=[[1]] * 5)
+    out = dapo.evaluate(run, "test")
     assert out == {"eval/avg@4": (1 / 4 + 2 / 4 + 1 / 4 + 1) / 4, "eval/pass@4": 1.0, "eval/maj@4": 2 / 4,
                    "eval/avg@4/d1": (1 / 4 + 2 / 4) / 2, "eval/avg@4/d2": (1 / 4 + 1) / 2,
                    "eval/answered": (1 + 1 + 3 / 4 + 1) / 4}                  # one answer is None
     assert capsys.readouterr().out.startswith("eval (test): eval/avg@4 0.500  eval/pass@4 1.000  eval/maj@4 0.500")
-    k2 = dapo.evaluate(types.SimpleNamespace(cfg=dataclasses.replace(cfg, eval_samples=0), eval_rows=rows,
-                                             eval_ids=[[1]] * 5), "none")
-    assert k2 == {}                                                         # --eval-samples 0: no evaluation
+    run.cfg = dataclasses.replace(cfg, reward="own.py:graded")               # "2" and "2.0" now differ: "9" wins
+    assert dapo.evaluate(run, "own")["eval/maj@4"] == 1 / 4
+    answers = False                                                         # a reward that gives no answers
+    assert set(dapo.evaluate(run, "none")) == {"eval/avg@4", "eval/pass@4", "eval/avg@4/d1", "eval/avg@4/d2"}
+    run.cfg = dataclasses.replace(cfg, eval_samples=0)
+    assert dapo.evaluate(run, "none") == {}                                 # --eval-samples 0: no evaluation
 
 
 def test_evaluate_bounds_the_time_of_majority_voting(monkeypatch, capsys):
-    """maj@k compares a prompt's answers through reward.score_batch, under --reward-timeout per comparison,
-    as training's scoring does: answers that sympy takes minutes to compare in-process ((x+1)^{1000} against
-    (x+2)^{1000}; (a+b+c+x)^9 against its expansion) cost at most 1 s each here, and a comparison that
-    overruns counts as different. The bound allows every comparison its full limit on one worker, plus
-    60 s for the workers' start-up."""
+    """maj@k compares a prompt's answers with each other through reward.score_batch, under --reward-timeout per
+    comparison, as training's scoring does: answers that sympy takes minutes to compare in-process
+    ((x+1)^{1000} against (x+2)^{1000}) cost at most 1 s each here, and a comparison that overruns counts as
+    different. The bound allows every comparison its full limit on one worker, plus 60 s for the workers'
+    start-up."""
     rows = [{"answer": "(x+1)^{1000}"}, {"answer": "(a+b+c+x)^9"}]
     graded = [["(x+1)^{1000}", "(x+2)^{1000}", "(x+2)^{1000}"], ["(a+b+c+x)^9 + 1", "(a+b+c+x)^9 + 1", "7"]]
 
-    def stub(run, rows_, ids, idx, n, temperature, top_p, key, answers=False):
-        return [[{"correct": False, "answer": a} for a in graded[i]] for i in idx], {}
+    def stub(run, rows_, ids, idx, n, temperature, top_p, key):
+        return [[{"success": False, "answer": a} for a in graded[i]] for i in idx], {}
 
     monkeypatch.setattr(dapo, "sample_groups", stub)
     cfg = dapo.Config(eval_samples=3, reward_timeout=1.0, reward_workers=2)
     t0 = time.monotonic()
     out = dapo.evaluate(types.SimpleNamespace(cfg=cfg, eval_rows=rows, eval_ids=[[1]] * 2), "slow")
     spent = time.monotonic() - t0
-    comparisons = sum(len(set(g)) * (len(set(g)) + 1) // 2 + len(set(g)) for g in graded)
+    comparisons = sum(len(set(g)) * (len(set(g)) - 1) // 2 for g in graded)   # each answer against those before it
     print(f"maj@3 over {comparisons} comparisons of slow answers: {spent:.1f} s")
     assert out["eval/maj@3"] == 0.0 and spent < comparisons * cfg.reward_timeout + 60
 
 
 def test_a_cpu_run_with_the_recipe_batch_is_told_what_a_step_means(tmp_path, capsys):
-    """--model with the 32B recipe's batch on a machine with no GPU: one line, before anything slow, with the
-    size of a step and the flags that shrink it. A smaller batch, or the built-in model, gets none."""
+    """--model on a machine with no GPU, with a step sized for GPUs (the 32B recipe's batch) or generation batches
+    far larger than the step (the recipe's 1,536 prompts for a step of 8): one line each, before anything slow,
+    with what a step means and the flags that shrink it. A laptop-sized run, or the built-in model, gets none;
+    tools/real_model.py's model takes the laptop preset (its config says so), which passes every check."""
     model = str(tmp_path / "plain")   # a plain model (a demo-built one takes the demo's preset)
     demo_model.tiny_qwen2(demo_model.DEMO_TOKENS)[0].save_pretrained(model)
     with pytest.raises(dapo.DapoError, match="max_position_embeddings"):   # the model check comes after it
         dapo.preflight(dapo.parse_config(["--model", model, "--max-prompt-len", "16"]))
     note = capsys.readouterr().out.strip()
-    assert note.startswith("note: no GPU, and the batch is the 32B recipe's: one step generates and trains 8,192 "
-                           "responses of up to 20,480 tokens (168M tokens)") and "\n" not in note
-    assert all(f in note for f in ("--prompts-per-step", "--group-size", "--max-response-len", "--help"))
-    dapo.preflight(dapo.parse_config(["--model", model, "--prompts-per-step", "4", "--max-prompt-len", "16",
-                                      "--max-response-len", "64", "--overlong-cache-len", "16"]))
+    assert note.startswith("note: no GPU, and one step generates and trains 8,192 responses of up to 20,480 tokens "
+                           "(168M tokens): on a CPU shrink the step") and "\n" not in note
+    assert all(f in note for f in ("--prompts-per-step", "--group-size", "--max-response-len", "--gen-batch-size"))
+    small = ["--model", model, "--max-prompt-len", "16", "--max-response-len", "64", "--overlong-cache-len", "16",
+             "--prompts-per-step", "8", "--group-size", "8"]
+    with pytest.raises(dapo.DapoError, match="max_position_embeddings"):
+        dapo.preflight(dapo.parse_config(small))
+    note = capsys.readouterr().out.strip()
+    assert note.startswith("note: no GPU, and each generation batch samples 1,536 prompts x 8 for a step of 8 "
+                           "prompts (--gen-batch-size)") and "\n" not in note
+    dapo.preflight(dapo.parse_config(small[:-4] + ["--prompts-per-step", "4", "--gen-batch-size", "8"]))
     dapo.preflight(dapo.parse_config([]))
     assert capsys.readouterr().out == ""
-    # the worked set of flags for a ~100M model on a laptop, as --help shows it, passes every check
-    laptop = dapo.__doc__.split("model on a laptop")[1].split("\n\n")[0].split("\n", 1)[1]
-    flags = laptop.replace("\\", " ").split()[2:]                        # after "python dapo.py"
-    flags[flags.index("DIR")], flags[flags.index("FILE")] = model, "x.jsonl"
-    cfg = dapo.parse_config(flags)
+    config = json.load(open(os.path.join(model, "config.json")))
+    json.dump({**config, "dapo_preset": "laptop", "max_position_embeddings": 512}, open(os.path.join(model, "config.json"), "w"))
+    cfg = dapo.parse_config(["--model", model])
+    assert {k: getattr(cfg, k) for k in dapo.LAPTOP} == dapo.LAPTOP
     dapo.check_config(cfg)
-    assert dapo.cpu_batch_note(cfg) is None and "--overlong-cache-len" in flags
+    assert dapo.cpu_batch_note(cfg) is None and dapo.presets(cfg)[0][0] == "laptop"
 
 
 def test_interrupted_save_leaves_the_previous_checkpoint(tmp_path):
@@ -3131,10 +3389,14 @@ def test_interrupted_save_leaves_the_previous_checkpoint(tmp_path):
 
 
 def test_maj_at_k_votes_by_equivalence_class():
-    assert reward.majority_correct(["1/2", "0.5", "\\frac12", "3", "3"], "1/2") == 1.0   # raw strings: "3" won
-    assert reward.majority_correct(["3", "3", "1/2", None, None], "1/2") == 0.0
-    assert reward.majority_correct([None, None], "1") == 0.0
-    assert reward.majority_correct(["7", "2", "7.0"], "7") == 1.0
+    """maj@k is the success of the most common answer: by the math checker's equivalence class ("1/2", "0.5" and
+    "\\frac12" are one answer, which beats "3" twice), or, for a reward of one's own, by identical answers."""
+    assert reward.majority_correct(["1/2", "0.5", "\\frac12", "3", "3"], [True, True, True, False, False]) == 1.0
+    assert reward.majority_correct(["1/2", "0.5", "\\frac12", "3", "3"], [True, True, True, False, False],
+                                   by_equivalence=False) == 0.0
+    assert reward.majority_correct(["3", "3", "1/2", None, None], [False, False, True, False, False]) == 0.0
+    assert reward.majority_correct([None, None], [False, False]) == 0.0
+    assert reward.majority_correct(["7", "2", "7.0"], [True, False, True]) == 1.0
 
 
 def test_pass_at_k_unbiased():
@@ -3528,7 +3790,7 @@ def test_ladder_report_compares_per_step_and_per_response(tmp_path, capsys):
 
 
 def _project_imports(path):
-    """The project modules (dapo, reward, lib.*, tools.*) that a file imports, inside functions too."""
+    """The project modules (dapo, reward, lib.*, tools.*, examples.*) that a file imports, inside functions too."""
     import ast
     names = set()
     for node in ast.walk(ast.parse(open(path).read())):
@@ -3537,16 +3799,16 @@ def _project_imports(path):
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.update([node.module] + [f"{node.module}.{a.name}" for a in node.names])
     found = {"dapo", "reward"} & names
-    for folder in ("lib", "tools"):
+    for folder in ("lib", "tools", "examples"):
         mods = {f[:-3] for f in os.listdir(os.path.join(HERE, folder)) if f.endswith(".py") and f != "__init__.py"}
-        found |= {f"{folder}.{m}" for m in mods if f"{folder}.{m}" in names or (folder == "tools" and m in names)}
+        found |= {f"{folder}.{m}" for m in mods if f"{folder}.{m}" in names or (folder != "lib" and m in names)}
     return found
 
 
 def _module_files():
-    """{module: path} for dapo.py, reward.py and every module of lib/ and tools/."""
+    """{module: path} for dapo.py, reward.py and every module of lib/, tools/ and examples/."""
     files = {"dapo": "dapo.py", "reward": "reward.py"}
-    for folder in ("lib", "tools"):
+    for folder in ("lib", "tools", "examples"):
         for f in sorted(os.listdir(os.path.join(HERE, folder))):
             if f.endswith(".py") and f != "__init__.py":
                 files[f"{folder}.{f[:-3]}"] = os.path.join(folder, f)
@@ -3588,8 +3850,9 @@ def test_dapo_py_reads_as_the_algorithm_first():
 
 def test_imports_run_one_way():
     """dapo.py imports reward.py and lib/ only; lib/ and reward.py import no project module that imports dapo.py
-    (nothing in lib/ imports dapo or tools); tools/ may import dapo.py and lib/, never the other way; no cycle
-    (imports inside functions count). Every script among them runs on its own (--help)."""
+    (nothing in lib/ imports dapo or tools); tools/ may import dapo.py and lib/, never the other way; nothing
+    imports examples/; no cycle (imports inside functions count). Every script among them runs on its own
+    (--help)."""
     files = _module_files()
     graph = {m: _project_imports(os.path.join(HERE, f)) for m, f in files.items()}
     assert not {m for m in graph["dapo"] if m.startswith("tools.")}, \
@@ -3598,6 +3861,9 @@ def test_imports_run_one_way():
         if m.startswith("lib.") or m == "reward":
             bad = {d for d in deps if d == "dapo" or d.startswith("tools.")}
             assert not bad, f"{files[m]} imports {sorted(bad)}: lib/ and reward.py sit below dapo.py; move it to tools/"
+        if not m.startswith("examples."):
+            used = {d for d in deps if d.startswith("examples.")}
+            assert not used, f"{files[m]} imports {sorted(used)}: examples/ are forks to copy, which nothing imports"
 
     def reaches(a, b, seen=()):
         return any(n == b or (n not in seen and reaches(n, b, seen + (n,))) for n in graph.get(a, ()))
@@ -3612,7 +3878,7 @@ def test_imports_run_one_way():
     for f in scripts:
         assert f in parts and len(parts[f].splitlines()) > 3, (f, out.stdout[-2000:], out.stderr[-2000:])
     assert out.stdout.count("=== exit 0") == len(scripts), out.stdout[-3000:]
-    pictures = [f for folder in ("lib", "tools") for f in os.listdir(os.path.join(HERE, folder))
+    pictures = [f for folder in ("lib", "tools", "examples") for f in os.listdir(os.path.join(HERE, folder))
                 if f.endswith((".png", ".svg", ".jpg"))]
     assert not pictures, f"{pictures}: pictures go with the docs, in docs/"
 
@@ -3649,7 +3915,7 @@ def test_no_words_about_how_the_project_was_made():
     last = next(n.end_lineno for n in body if getattr(n, "name", "") == "test_no_words_about_how_the_project_was_made")
     files = ["README.md", "run_32b.sh", ".ci/run", *glob.glob("*.py", root_dir=HERE), *glob.glob("*.txt", root_dir=HERE),
              *glob.glob("docs/*.md", root_dir=HERE), *glob.glob("lib/*.py", root_dir=HERE),
-             *glob.glob("tools/*.py", root_dir=HERE)]
+             *glob.glob("tools/*.py", root_dir=HERE), *glob.glob("examples/*.py", root_dir=HERE)]
     found = []
     for f in files:
         for n, line in enumerate(open(os.path.join(HERE, f)).read().splitlines(), 1):
