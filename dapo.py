@@ -26,7 +26,7 @@ and, if the math checker cannot score it, --reward module:function (examples/ ho
     python tools/plan.py --model ...                # what each GPU and node will hold
     python tools/gpu_check.py --model ...           # first, on a new GPU machine
 A real ~100M-parameter model on a laptop (2 CPU cores; tools/real_model.py's model takes the laptop
-preset, LAPTOP below): held-out accuracy on 2-digit sums rises from ~0.15 to ~0.6 in ~10 minutes:
+preset, LAPTOP below): held-out accuracy on 2-digit sums rises from ~0.1 to ~0.6-0.7 in ~10 minutes:
     python examples/fewshot_addition.py data/add && python dapo.py --model $(python tools/real_model.py) \\
         --train-data data/add/train.jsonl --eval-data data/add/eval.jsonl
 
@@ -106,7 +106,8 @@ class Config:
     dual_clip: float = 0.0           # dual-clip PPO's c > 1, bounds the loss if A < 0 (ref. run: 10); 0 = off
     # objectives after DAPO (LOSSES below: each --loss's preset, and the shared flags it ignores)
     loss: str = "dapo"               # the objective: dapo (Eq. 10/12), or one of LOSSES' later ones
-    adv_estimator: str = "grpo"      # A_i: grpo (Eq. 9), or one of ADV_ESTIMATORS' others
+    adv_estimator: str = "grpo"      # A_i from the group's rewards: grpo (Eq. 9), dr_grpo (no std), rloo
+    #  (leave-one-out): ADV_ESTIMATORS
     sapo_tau_pos: float = 1.0        # --loss sapo: the soft gate's temperature τ_pos where A > 0 {> 0}
     sapo_tau_neg: float = 1.05       # --loss sapo: τ_neg, where A <= 0 {> 0}
     kl_coef: float = 0.0             # β: GRPO's k3 KL penalty to the frozen initial policy (DAPO drops it,
@@ -197,10 +198,12 @@ CHOICES = dict(task=("add", "carry"), loss=LOSSES, adv_estimator=ADV_ESTIMATORS,
                attn_impl=("", "flex_attention", "flash_attention_2", "sdpa"), save_dtype=("bfloat16", "float32"),
                precision=("", "bf16", "fp32"))
 # The laptop preset: tools/real_model.py's SmolLM2-135M-Instruct (its config says so) on 2 CPU cores, for
-# short answers (the few-shot addition of examples/fewshot_addition.py learns with it in ~10 minutes).
+# short answers (examples/fewshot_addition.py's sums learn with it in ~10 minutes); bf16 where the CPU has
+# bf16 instructions (twice as fast as fp32 there, and it learns as well: docs/real-model.md).
 LAPTOP = dict(max_prompt_len=256, max_response_len=32, overlong_cache_len=8, prompts_per_step=8, group_size=8,
               gen_batch_size=16, num_mini_batches=2, micro_batch_size=16, lr=2e-5, warmup_steps=2, steps=12,
-              eval_every=2, eval_samples=4, cpu_kv_cache_gb=2.0, out_dir="runs/laptop")
+              eval_every=2, eval_samples=4, cpu_kv_cache_gb=2.0, out_dir="runs/laptop",
+              precision="fp32" if check_data.cpu_lacks_bf16() else "bf16")
 
 
 # -----------------------------------------------------------------------------------------
@@ -648,7 +651,8 @@ def parse_config(argv=None, cls=Config):
             set_by = "".join(f"; {k} sets {what or 'nothing'}" for k, what in sets.items())
         ignored = [k for k, e in LOSSES.items() if f.name in e.get("ignores", ())]
         help = f"{helps.get(f.name, '')} (default: {f.default!r}{set_by})" + (
-            f" Ignored by --loss {', '.join(ignored)}." if ignored else "")
+            f" Ignored by --loss {', '.join(ignored)}." if ignored else "") + (
+            f" One of: {', '.join(n or repr(n) for n in CHOICES[f.name])}." if f.name in CHOICES else "")
         help = help.replace("%", "%%")
         if isinstance(f.default, bool):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help)

@@ -7,14 +7,19 @@ Public names: extract_answer, is_equivalent, is_correct, compute_score, math_rew
 score_batch, majority_correct.
 
 The reward contract (dapo.py's --reward module:function, or path/to/file.py:function; as verl's
-compute_score and TRL's reward_funcs): the function gets the response text and the whole data row (its
-"prompt", its "answer", the ground truth as the file gives it, and every other column) and returns
+compute_score and TRL's reward_funcs): fn(response, row) gets the response text and the whole data row
+(its "prompt", its "answer": the ground truth as the file gives it, and every other column) and returns
 - a bool: Eq. 7's +1 or -1, a success if True;
-- a number: the reward, a success where it is > 0;
-- a dict: {"reward": float, "success": bool, "answer": ..., "name": number, ...}; "success" defaults to
-  reward > 0, "answer" (what the response answered) lets maj@k vote and eval/answered count, and every
-  other number is logged as score/<name>.
-math_reward, this file's checker through that contract, is the default.
+- a number: the reward, a success where it is > 0 (so a graded reward whose partial credit is no
+  success returns a dict);
+- a dict: "reward" (or verl's "score"), and optionally "success" (a bool; default: reward > 0),
+  "answer" (what the response answered, None where it gave none: identical answers vote together in
+  maj@k, and eval/answered counts the others; a reward that never returns the key reports neither) and
+  more numbers, each logged as score/<name> (other values are ignored).
+A response on which it raises, crashes its worker, overruns --reward-timeout or returns anything else
+scores -1 (Eq. 7's wrong answer, below any graded credit) and is no success; each is counted
+(reward/errors, reward/timeouts). math_reward, this file's checker through the contract, is the
+default.
 
 Conventions (what a careful grader does; every one has a test in test_dapo.py)
 - Markers. A line holding `Answer:` (any case; also `Final Answer:`, `**Answer:**`) gives

@@ -96,12 +96,16 @@ def main(argv=None):
     p.add_argument("--train", type=int, default=10_000, help="training puzzles (default: 10000)")
     p.add_argument("--held-out", type=int, default=200, help="held-out puzzles (default: 200)")
     args = p.parse_args(argv)
-    rng = random.Random(0)
+    rng, puzzles = random.Random(0), {}
+    while len(puzzles) < args.train + args.held_out:  # distinct prompts, so none held out is trained on
+        p = puzzle(rng)
+        puzzles.setdefault(p["prompt"], p)
+    rows = list(puzzles.values())
     os.makedirs(args.out, exist_ok=True)
-    for name, n in (("train", args.train), ("eval", args.held_out)):
+    for name, part in (("train", rows[args.held_out:]), ("eval", rows[:args.held_out])):
         with open(os.path.join(args.out, f"{name}.jsonl"), "w") as f:
-            f.writelines(json.dumps(puzzle(rng)) + "\n" for _ in range(n))
-        print(f"{os.path.join(args.out, name + '.jsonl')}: {n} puzzles")
+            f.writelines(json.dumps(r) + "\n" for r in part)
+        print(f"{os.path.join(args.out, name + '.jsonl')}: {len(part)} puzzles")
 
 
 if __name__ == "__main__":
