@@ -2742,6 +2742,8 @@ def test_a_real_pretrained_model_through_the_whole_loop(real_model, tmp_path):
           f"time/step {[round(r['time/step'], 1) for r in rows]}")
     assert gaps[1] < 1e-4                                          # step 2: generated after an update
     assert all(x["prompt"].startswith("<|im_start|>") for x in samples)   # the chat template's tokens
+    assert all(x["answer"] is None or x["answer"] in x["response"] for x in samples)   # what the reward read
+    assert all(x["score"] == len(x["response"]) / 100 and "truth" in x for x in samples)
     assert any(not x["truncated"] for x in samples)                # stopped at EOS, not at the limit
     ckpt = tmp_path / "run" / "checkpoints" / "step_000002"
     ids = torch.tensor([tok(samples[0]["prompt"] + samples[0]["response"], add_special_tokens=False)["input_ids"]])
