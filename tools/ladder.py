@@ -16,7 +16,8 @@ the carry task's fixed one), so the spread over seeds is the noise of RL alone.
 
 --variants runs the objectives proposed after DAPO on DAPO's pipeline (every technique on, only
 --loss or one knob differs), from the same warm-start, and reports them as the ladder does (docs/variants.png);
-naive GRPO and DAPO are the ladder's first and last rungs, and their runs are shared.
+naive GRPO and DAPO are the ladder's first and last rungs, and use the same run folders: a --variants run
+under the ladder's --root reuses those runs (docs/variants.md's naive GRPO row comes from runs of its own).
 
 The report compares rungs per rollout step AND per generated response (dynamic sampling
 generates more per step). matplotlib is optional: with it, --report also draws docs/ladder.png.
