@@ -253,10 +253,9 @@ def overlong_penalty(lengths, max_len, cache_len):
 
 
 def dynamic_sampling_mask(scores, group_size):
-    """Eq. 11's constraint 0 < |{o_i : is_equivalent(a, o_i)}| < G, on the rewards BEFORE Eq. 13's shaping
-    (whose length penalty would set apart almost any group): keep the groups whose rewards are not all
-    equal. For Eq. 7's ±1 that is exactly Eq. 11; for a graded reward, the groups with a spread (as verl's
-    DAPO recipe filters on a metric's std), where Eq. 9 has something to compare. (B,) -> (B // G,) bool."""
+    """Eq. 11's 0 < |{o_i : is_equivalent(a, o_i)}| < G on the rewards before Eq. 13 (whose length penalty
+    would set apart almost any group): the groups whose rewards are not all equal, which for ±1 is exactly
+    Eq. 11 and for a graded reward the groups with a spread (as verl's). (B,) -> (B // G,) bool."""
     r = scores.view(-1, group_size)
     return (r != r[:, :1]).any(1)
 
@@ -434,8 +433,7 @@ def sample_groups(run, rows, prompt_ids, idx, n, temperature, top_p, key):
     t0 = time.perf_counter()
     local = generate(run, [prompt_ids[idx[j]] for j in mine], n, temperature, top_p, key)  # Part 2: vLLM
     t1 = time.perf_counter()
-    # Eq. 7: R = +1 if is_equivalent(answer, truth) else -1, or --reward's fn(response, row), in the
-    # checker's worker processes, each response under --reward-timeout (a failure scores -1, counted)
+    # Eq. 7 (R = ±1: is_equivalent(answer, truth)), or --reward's fn(response, row), under --reward-timeout
     results, rstats = reward.score_batch([s["text"] for s in local], [rows[idx[j]] for j in mine for _ in range(n)],
                                          cfg.reward, cfg.reward_timeout, cfg.reward_workers)
     for s, r in zip(local, results):
@@ -581,8 +579,7 @@ def pass_at_k(n, c, k):
 
 def evaluate(run, tag):
     """k = eval_samples responses per held-out prompt (split across ranks), scored and printed. avg@k and
-    pass@k count successes; maj@k and the share answered need the answers the reward reads (the math
-    checker's are compared by equivalence class; those of a reward of one's own are equal or not)."""
+    pass@k count successes; maj@k and the share answered, the answers the reward reads, if it does."""
     cfg, rows, k = run.cfg, run.eval_rows, run.cfg.eval_samples
     if not rows or not k:
         return {}
@@ -601,9 +598,10 @@ def evaluate(run, tag):
                                                cfg.reward_workers, by_equivalence=cfg.reward == reward.MATH))
             answered.append(sum(a is not None for a in answers) / k)  # the answer format followed
     n = len(idx)
-    out = {f"eval/avg@{k}": sum(avg) / n, f"eval/pass@{k}": sum(pas) / n,
-           **({f"eval/maj@{k}": sum(maj) / n} if votes else {}), **by_level([rows[i] for i in idx], avg, k),
-           **({"eval/answered": sum(answered) / n} if votes else {})}  # by_level: Part 2
+    out = {f"eval/avg@{k}": sum(avg) / n, f"eval/pass@{k}": sum(pas) / n}
+    if votes:  # only where the reward reads answers
+        out.update({f"eval/maj@{k}": sum(maj) / n, "eval/answered": sum(answered) / n})
+    out.update(by_level([rows[i] for i in idx], avg, k))  # Part 2: by difficulty, for rows that have one
     print0(f"eval ({tag}): " + "  ".join(f"{name} {v:.3f}" for name, v in out.items()))
     return out
 
