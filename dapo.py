@@ -14,7 +14,7 @@ Naive GRPO is: --eps-high 0.2 --no-dynamic-sampling --no-token-level-loss
 
 The rollout runs in vLLM inside this process; the policy is sharded with FSDP2 (fully_shard);
 after every update the new weights are pushed into vLLM. Objectives proposed after DAPO are one
-flag away: --loss gspo|cispo|dr_grpo|sapo, --adv-estimator rloo, --kl-coef, --tis-mode,
+flag away: --loss gspo|cispo|dr_grpo|sapo|dppo_tv|dppo_kl|gmpo, --adv-estimator rloo, --kl-coef, --tis-mode,
 --off-policy-mask, --top-entropy-quantile, --deterministic. A task of one's own brings its data file
 and, if the math checker cannot score it, --reward module:function (examples/ holds worked ones).
 
@@ -99,6 +99,10 @@ class Config:
     eps_low: float = 0.2             # ε_low (Eq. 10) {(0, 1]}
     eps_high: float = 0.28           # ε_high, Clip-Higher (Sec. 3.1); 0.2 = symmetric GRPO clip {> 0}
     dynamic_sampling: bool = True    # Eq. 11: keep groups with 0 < #correct < G, refill the batch
+    carry_surplus: bool = False      # groups that pass Eq. 11 beyond the batch's N train in the next step
+    #  (used first; one step old at most) instead of being dropped
+    skip_solved: int = 0             # set aside, for the rest of the run, a prompt whose G responses were all
+    #  right in each of its last K draws (while a generation batch's worth of prompts is left); 0 = off
     token_level_loss: bool = True    # Eq. 12: normalise by all tokens; off = GRPO's per-sample mean
     overlong_filtering: bool = True  # Sec. 3.4: mask the loss of truncated samples
     soft_overlong_punishment: bool = True  # Eq. 13: length penalty added to the reward
@@ -182,12 +186,16 @@ CARRY = dict(DEMO, prompts_per_step=32, gen_batch_size=48, max_response_len=96, 
 # loss's own settings are the Config fields named after it (sapo_tau_pos). GSPO (Zheng et al. 2025): one
 # ratio per sequence, so a far narrower clip. CISPO (MiniMax-M1, 2025): no lower bound on the weight (its
 # ε_high is unpublished: DAPO's is kept). Dr. GRPO (Liu et al. 2025): PPO's clip. SAPO (arXiv
-# 2511.20347): a soft gate instead of a clip.
+# 2511.20347): a soft gate instead of a clip. DPPO (arXiv 2602.04879): ε is a bound on the change of the
+# token's probability (TV) or its binary KL, verl's thresholds. GMPO (arXiv 2507.20673): ε in log space.
 LOSSES = {"dapo": {},
           "gspo": dict(preset=dict(eps_low=3e-4, eps_high=4e-4), ignores=("token_level_loss",)),
           "cispo": dict(preset=dict(eps_low=1.0), ignores=("dual_clip",)),
           "dr_grpo": dict(preset=dict(eps_high=0.2, adv_estimator="dr_grpo"), ignores=("token_level_loss",)),
-          "sapo": dict(ignores=("eps_low", "eps_high", "dual_clip", "token_level_loss"))}
+          "sapo": dict(ignores=("eps_low", "eps_high", "dual_clip", "token_level_loss")),
+          "dppo_tv": dict(preset=dict(eps_low=0.15, eps_high=0.15), ignores=("dual_clip",)),
+          "dppo_kl": dict(preset=dict(eps_low=0.05, eps_high=0.05), ignores=("dual_clip",)),
+          "gmpo": dict(preset=dict(eps_low=0.4, eps_high=0.4), ignores=("dual_clip", "token_level_loss"))}
 # --adv-estimator: how a group's rewards become advantages (group_advantages). GRPO's Eq. 9 divides by the
 # group's std; Dr. GRPO (Liu et al. 2025) drops the std; RLOO (Kool et al. 2019, Ahmadian et al. 2024) takes
 # each response's baseline from the OTHER G - 1 responses of its group.
@@ -293,6 +301,32 @@ def sapo_token_loss(ratio, adv, tau_pos, tau_neg):
     return -gate * (4 / tau) * adv, faded & (ratio < 1), faded & (ratio > 1)
 
 
+def dppo_token_loss(ratio, logp, old_logp, adv, eps_low, eps_high, kind):
+    """DPPO (arXiv 2602.04879; verl's dppo_tv and dppo_kl): -sg(r) A log π_θ, the policy gradient
+    importance-weighted, kept where the sampled token stays in a trust region measured on its probability,
+    not on r. Only the side A pushes is bounded. tv: π_θ - π_θold up to ε_high (A > 0), down to -ε_low;
+    kl: the KL between Bernoulli(π_θold) and Bernoulli(π_θ) up to ε_high / ε_low. clip/*: where it binds."""
+    p, q = torch.exp(logp.detach()), torch.exp(old_logp)
+    if kind == "tv":
+        out_up, out_down = p - q > eps_high, p - q < -eps_low
+    else:  # the binary KL, with verl's 1e-8 guarding log(0)
+        kl = q * (old_logp - logp.detach()) + (1 - q) * torch.log((1 - q + 1e-8) / (1 - p + 1e-8))
+        out_up, out_down = (kl > eps_high) & (p > q), (kl > eps_low) & (p < q)
+    high, low = out_up & (adv > 0), out_down & (adv <= 0)
+    return -adv * ratio.detach() * logp * ~(low | high), low, high
+
+
+def gmpo_token_loss(log_ratio, mask, adv, eps_low, eps_high):
+    """GMPO (arXiv 2507.20673; verl's geo_mean): one ratio per sequence, the geometric mean of its token
+    ratios, each token's log r clipped to [-ε_low, ε_high] on the side A pushes (a log-space clip: preset
+    0.4); -A exp(mean_t clipped log r), copied onto every token of the sequence."""
+    clipped = log_ratio.clamp(-eps_low, eps_high)
+    kept = torch.where(adv > 0, torch.minimum(log_ratio, clipped), torch.maximum(log_ratio, clipped))
+    seq = (kept * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    loss = (-adv * torch.exp(seq)).expand_as(log_ratio)
+    return loss, (log_ratio < -eps_low) & (adv < 0), (log_ratio > eps_high) & (adv > 0)
+
+
 # How a mini-batch's token losses are averaged (loss_normaliser decides, once per mini-batch): per_sample,
 # each sample's mean first (GRPO), or every token alike (Eq. 12); then divided by n, a count over the
 # WHOLE mini-batch (every micro-batch and rank), so that the micro-batch losses add up exactly.
@@ -313,6 +347,10 @@ def policy_loss(logp, old_logp, advantages, mask, cfg, norm=None, weight=None, r
         per_token, low, high = cispo_token_loss(ratio, logp, adv, cfg.eps_low, cfg.eps_high)
     elif cfg.loss == "sapo":
         per_token, low, high = sapo_token_loss(ratio, adv, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
+    elif cfg.loss in ("dppo_tv", "dppo_kl"):
+        per_token, low, high = dppo_token_loss(ratio, logp, old_logp, adv, cfg.eps_low, cfg.eps_high, cfg.loss[5:])
+    elif cfg.loss == "gmpo":
+        per_token, low, high = gmpo_token_loss(log_ratio, mask, adv, cfg.eps_low, cfg.eps_high)
     else:  # DAPO (Clip-Higher, Eq. 10); Dr. GRPO
         per_token, low, high = dapo_token_loss(ratio, adv, cfg.eps_low, cfg.eps_high)
     if cfg.dual_clip:  # dual-clip PPO (the reference run's c = 10): an A < 0 token's loss is at most -c A
@@ -386,7 +424,10 @@ def train(cfg):
                                  cfg.top_p, (cfg.seed, step, b))
 
         # 1. Sample and filter (Eq. 11): generation batches until N groups are kept; shape every reward.
-        kept, seen, metrics = collect_batch(generate, run.sampler, cfg)
+        kept, surplus, seen, metrics = collect_batch(generate, run.sampler, cfg, run.carried)
+        run.carried = carry(surplus) if cfg.carry_surplus else []  # Part 2: tokens stay where they are
+        if cfg.skip_solved:  # prompts the model always solves leave the pool (Sampler.set_aside, Part 2)
+            metrics["filter/set_aside"] = run.sampler.set_aside(set_aside_solved(run.solved, seen, cfg.skip_solved))
         generated = [s for g in seen for s in g]
         for s, r in zip(generated, shape_rewards(generated, cfg).tolist()):
             s["reward"] = r
@@ -455,15 +496,20 @@ def shape_rewards(samples, cfg):
     return r
 
 
-def collect_batch(sample_fn, sampler, cfg):
-    """Algorithm 1, lines 3-8: generation batches until N groups pass the dynamic-sampling filter (the
-    surplus is dropped), or until the batches left could not fill it at twice the keep rate so far.
-    sample_fn(prompt indices, batch no) -> (groups, stats)."""
+def collect_batch(sample_fn, sampler, cfg, carried=()):
+    """Algorithm 1, lines 3-8: generation batches until N groups pass the dynamic-sampling filter, or until
+    the batches left could not fill it at twice the keep rate so far. carried: the last step's surplus
+    (--carry-surplus), used first; a carried group keeps its rewards and so its advantages (Eq. 9 over its
+    own complete group): only π_θold, recomputed for every sample, is new. Returns (kept, surplus: the new
+    groups past N, seen: every generated group, stats). sample_fn(prompt indices, batch no) -> (groups, stats)."""
     G, N = cfg.group_size, cfg.prompts_per_step
     size = cfg.gen_batch_size if cfg.dynamic_sampling else N
-    kept, seen, passed, times = [], [], [], {}
-    for b in range(cfg.max_gen_batches):
+    kept, seen, passed, times, b = list(carried), [], [], {}, 0
+    while len(kept) < N:
+        if b == cfg.max_gen_batches:
+            raise too_few_groups(len(kept), seen, b, cfg)  # Part 2: the error, with what to change
         groups, t = sample_fn(sampler.take(size), b)
+        b += 1
         times = {k: times.get(k, 0) + v for k, v in t.items()}
         seen += groups
         mixed = dynamic_sampling_mask(torch.tensor([s["score"] for g in groups for s in g]), G).tolist()
@@ -471,12 +517,24 @@ def collect_batch(sample_fn, sampler, cfg):
         if cfg.dynamic_sampling:  # DAPO (dynamic sampling, Eq. 11): on the score, not the shaped reward
             groups = [g for g, k in zip(groups, mixed) if k]
         kept += groups
-        if len(kept) >= N:
-            return kept[:N], seen, {"filter/kept_frac": sum(passed) / len(seen), "filter/gen_batches": b + 1,
-                                    **times}
-        if len(kept) + 2 * (cfg.max_gen_batches - b - 1) * size * sum(passed) / len(seen) < N:
-            break
-    raise too_few_groups(len(kept), seen, b + 1, cfg)  # Part 2: the error, with what to change
+        if len(kept) < N and len(kept) + 2 * (cfg.max_gen_batches - b) * size * sum(passed) / len(seen) < N:
+            raise too_few_groups(len(kept), seen, b, cfg)
+    stats = {"filter/kept_frac": sum(passed) / max(1, len(seen)), "filter/gen_batches": b,
+             "filter/carried": min(len(carried), N), **times}
+    return kept[:N], kept[max(N, len(carried)):], seen, stats
+
+
+def set_aside_solved(record, seen, k):
+    """--skip-solved K: the rows of the prompts whose G responses were all right in each of their last K draws
+    (prime-rl, SkyRL and open-instruct skip such prompts: they only ever give all-equal groups). record:
+    {row: all-right draws in a row}, updated with this step's generated groups."""
+    out = []
+    for g in seen:
+        row = g[0]["row"]
+        record[row] = record.get(row, 0) + 1 if all(s["success"] for s in g) else 0
+        if record[row] >= k:
+            out.append(row)
+    return out
 
 
 def set_advantages(samples, cfg):
@@ -503,7 +561,7 @@ def loss_normaliser(mini, cfg):
     trained = [s for s in mini if s["trained"]]
     if cfg.loss == "dr_grpo":  # Dr. GRPO: a constant, L_max x samples: no length bias either way
         return Normaliser(per_sample=False, n=cfg.max_response_len * len(mini))
-    if cfg.loss in ("gspo", "sapo") or not cfg.token_level_loss:  # GSPO, SAPO (as their papers), GRPO
+    if cfg.loss in ("gspo", "sapo", "gmpo") or not cfg.token_level_loss:  # GSPO, SAPO, GMPO (their papers), GRPO
         return Normaliser(per_sample=True, n=len(trained))
     return Normaliser(per_sample=False, n=sum(s["len"] for s in trained))  # DAPO (Eq. 12): all tokens
 
@@ -1099,7 +1157,8 @@ def update_metrics(run, totals, grad_norms, skipped, plan, sync):
 def check_sync(run, plan):
     """The sync gap (sync_diff_stats) over this rank's samples, once every π_θold is known and before any
     optimizer step: past --max-sync-diff the run stops, untrained on the broken rollout. A collective."""
-    sync = sync_diff_stats([s for micros in plan for mb in micros for s in mb if not s.get("dummy")])
+    sync = sync_diff_stats([s for micros in plan for mb in micros for s in mb
+                            if not s.get("dummy") and not s.get("carried")])  # carried: a step-old rollout
     gap, limit = sync["sync/logp_diff_mean"], run.cfg.max_sync_diff  # the same on every rank
     if limit and gap > limit:
         raise DapoError(f"step {run.step}: vLLM's log-probs of the sampled tokens differ from the trainer's by "
@@ -1328,7 +1387,8 @@ def save_checkpoint(run, step):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     cfg = run.cfg
-    run.state.update(step=step, sampler=[run.sampler.epoch, run.sampler.pos], config=dataclasses.asdict(cfg))
+    run.state.update(step=step, sampler=[run.sampler.epoch, run.sampler.pos], config=dataclasses.asdict(cfg),
+                     set_aside=sorted(run.sampler.skip), solved=run.solved, carried=saved_carried(run.carried))
     root = os.path.join(cfg.out_dir, "checkpoints")
     final = os.path.join(root, f"step_{step:06d}")
     tmp = final + ".tmp"
@@ -1351,6 +1411,28 @@ def save_checkpoint(run, step):
         for d in step_dirs(root)[:-cfg.keep_checkpoints]:
             shutil.rmtree(os.path.join(root, d))
     torch.distributed.barrier()
+
+
+def saved_carried(groups):
+    """--carry-surplus's groups for state.json, whole: each sample's tokens gathered from the rank that
+    generated it (a collective), as the samples of rank 0, which holds them after a resume on any ranks."""
+    out = [[{k: v for k, v in s.items() if k != "text"} for s in g] for g in groups]
+    mine = {f"{i} {j}": (s["response_ids"], s["vllm_logp"]) for i, g in enumerate(out) for j, s in enumerate(g)
+            if "response_ids" in s}
+    for part in all_gather_objects(mine)[0]:
+        for key, (ids, logp) in part.items():
+            i, j = map(int, key.split())
+            out[i][j].update(response_ids=list(ids), vllm_logp=list(logp), src=0)
+    return out
+
+
+def restore_carried(groups):
+    """saved_carried's groups, on resume: rank 0 holds their tokens, every other rank a stub."""
+    for s in (s for g in groups for s in g):
+        if rank() != 0:
+            s.pop("response_ids", None)
+            s.pop("vllm_logp", None)
+    return groups
 
 
 def load_checkpoint(ckpt, model, opt):
@@ -1404,15 +1486,18 @@ def encode_prompts(tokenizer, prompts):
 
 
 class Sampler:
-    """Endless shuffled pass over n prompts: epoch e is permutation(seed + e), so (epoch, pos) is
-    all that resume needs to continue the same data order."""
+    """Endless shuffled pass over n prompts: epoch e is permutation(seed + e), so (epoch, pos) and the
+    prompts set aside are all that resume needs to continue the same data order. keep: the fewest prompts
+    --skip-solved may leave in the pool (a generation batch)."""
 
-    def __init__(self, n, seed):
-        self.n, self.seed = n, seed
+    def __init__(self, n, seed, keep=1):
+        self.n, self.seed, self.keep, self.skip = n, seed, keep, set()
         self.restore(0, 0)
 
-    def restore(self, epoch, pos):
+    def restore(self, epoch, pos, skip=None):
         self.epoch, self.pos = epoch, pos
+        if skip is not None:
+            self.skip = set(skip)
         generator = torch.Generator().manual_seed(self.seed + epoch)
         self._perm = torch.randperm(self.n, generator=generator).tolist()
 
@@ -1421,9 +1506,26 @@ class Sampler:
         while len(out) < k:
             if self.pos == self.n:
                 self.restore(self.epoch + 1, 0)
-            out.append(self._perm[self.pos])
+            if self._perm[self.pos] not in self.skip:
+                out.append(self._perm[self.pos])
             self.pos += 1
         return out
+
+    def set_aside(self, rows):
+        """--skip-solved: these prompts are drawn no more, while `keep` are left (else all return). Returns
+        how many are set aside."""
+        self.skip |= set(rows)
+        if self.n - len(self.skip) < self.keep:
+            self.skip.clear()
+        return len(self.skip)
+
+
+def carry(groups):
+    """--carry-surplus: the surplus groups, marked. Their tokens stay on the rank that generated them, and
+    their vLLM log-probs are a step old: the sync gap leaves them out; the rollout corrections do not."""
+    for s in (s for g in groups for s in g):
+        s["carried"] = True
+    return groups
 
 
 def prepare_data(cfg, tokenizer, train, held):
@@ -1545,10 +1647,12 @@ def set_up(cfg):
     if cfg.kl_coef:  # the initial policy, never a checkpoint's export: the reference stays where it began
         run.ref = load_policy(cfg, original, device, reference=True)
     run.opt = torch.optim.AdamW(run.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    run.sampler = Sampler(len(train_rows), cfg.seed)
+    run.sampler = Sampler(len(train_rows), cfg.seed, keep=cfg.gen_batch_size)
+    run.carried = restore_carried(state.get("carried", []))  # --carry-surplus: the last step's surplus
+    run.solved = {int(row): n for row, n in state.get("solved", {}).items()}  # --skip-solved's record
     if ckpt:
         load_checkpoint(ckpt, run.model, run.opt)
-        run.sampler.restore(*state["sampler"])
+        run.sampler.restore(*state["sampler"], state.get("set_aside", []))
         print0(f"resumed from {ckpt} at step {state['step']}")
     sync_weights(run.model, run.llm)  # vLLM started with dummy weights: the trainer's go in first
     run.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -895,7 +895,7 @@ def _traffic_worker(out_path):
                                           "text", "success")} for s in mine]
                 before += dapo.all_gather_objects(old if dapo.rank() % tp == 0 else [])[1]
                 return groups, t
-            kept, seen, m = dapo.collect_batch(sample_fn, sampler, cfg)
+            kept, _, seen, m = dapo.collect_batch(sample_fn, sampler, cfg)
             every = [s for g in seen for s in g]
             for s, r in zip(every, dapo.shape_rewards(every, cfg).tolist()):
                 s["reward"] = r
@@ -1093,7 +1093,8 @@ def _dapo(*args):
 # One process, 4 steps, saved after each: test_end_to_end_single_process checks the run, and
 # test_resume_after_a_failed_save_reproduces_a_straight_run resumes a run that fails to save against it.
 STRAIGHT = ["--steps", "4", "--warmup-steps", "2", "--save-every", "1", "--keep-checkpoints", "3",
-            "--hf-shard-gb", "0.0002", "--kl-coef", "0.05"]  # the KL reference: see the resume test
+            "--hf-shard-gb", "0.0002", "--kl-coef", "0.05",   # the KL reference: see the resume test
+            "--carry-surplus", "--skip-solved", "1"]          # a surplus buffer and a record to checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -2001,27 +2002,68 @@ def test_eq11_filters_before_eq13_shapes_the_rewards():
     wrong = [{"score": -1.0, "success": False, "len": n} for n in (5, 6, 3)]
     mixed = [{"score": s, "success": s > 0, "len": 2} for s in (1.0, -1.0, -1.0)]
     assert len(set(dapo.shape_rewards(wrong, cfg).tolist())) == 3
-    kept, seen, m = dapo.collect_batch(lambda idx, b: ([wrong, mixed], {}), dapo.Sampler(2, 0), cfg)
+    kept, _, seen, m = dapo.collect_batch(lambda idx, b: ([wrong, mixed], {}), dapo.Sampler(2, 0), cfg)
     assert kept == [mixed] and seen == [wrong, mixed] and m["filter/kept_frac"] == 0.5
 
 
 def test_eq11_dynamic_sampling_drops_exactly_the_uniform_groups():
     cfg = dapo.Config(prompts_per_step=8, group_size=4, gen_batch_size=6, max_gen_batches=10)
     fn, calls = _stub_sample_fn(4)
-    kept, seen, stats = dapo.collect_batch(fn, dapo.Sampler(300, seed=0), cfg)
+    kept, surplus, seen, stats = dapo.collect_batch(fn, dapo.Sampler(300, seed=0), cfg)
     assert len(kept) == 8                                            # the batch fills
     assert all(g[0]["row"] % 3 == 2 for g in kept)                  # only mixed groups are kept
     drawn = [i for c in calls for i in c]
     mixed = [i for i in drawn if i % 3 == 2]
-    assert [g[0]["row"] for g in kept] == mixed[:8]                 # all of them, in order; surplus dropped
+    assert [g[0]["row"] for g in kept] == mixed[:8]                 # all of them, in order
+    assert [g[0]["row"] for g in surplus] == mixed[8:]              # what passed beyond N (dropped by default)
     assert stats["filter/gen_batches"] == len(calls) > 1           # it had to draw more batches
-    assert stats["filter/kept_frac"] == pytest.approx(len(mixed) / len(drawn))
+    assert stats["filter/kept_frac"] == pytest.approx(len(mixed) / len(drawn)) and stats["filter/carried"] == 0
+
+
+def test_eq11_surplus_groups_carry_to_the_next_step():
+    """--carry-surplus: the groups that passed Eq. 11 beyond N come first in the next step's batch, which then
+    generates only what is missing; carried groups beyond N are dropped (none is more than one step old), and
+    the surplus returned is only the step's new groups. Off (no carried groups), collect_batch is as before."""
+    cfg = dapo.Config(prompts_per_step=8, group_size=4, gen_batch_size=6, max_gen_batches=10)
+    fn, calls = _stub_sample_fn(4)
+    kept, surplus, _, _ = dapo.collect_batch(fn, dapo.Sampler(300, seed=0), cfg)
+    assert len(surplus) == 1                                         # 3 batches: 9 mixed, 8 kept
+    sampler = dapo.Sampler(300, seed=1)
+    calls.clear()
+    kept2, surplus2, seen2, stats = dapo.collect_batch(fn, sampler, cfg, carried=surplus)
+    assert kept2[0] is surplus[0] and len(kept2) == 8 and stats["filter/carried"] == 1
+    assert all(g[0]["row"] % 3 == 2 for g in kept2[1:] + surplus2)  # mixed groups only
+    assert all(g not in surplus for g in surplus2)                   # the surplus is new groups only
+    many = [[{"row": i, "score": 1.0, "success": True}] for i in range(10)]
+    calls.clear()
+    kept3, surplus3, seen3, stats = dapo.collect_batch(fn, sampler, cfg, carried=many)
+    assert kept3 == many[:8] and surplus3 == [] and seen3 == [] and not calls and stats["filter/gen_batches"] == 0
+    assert [s.get("carried") for g in dapo.carry(surplus2) for s in g] == [True] * 4 * len(surplus2)
+
+
+def test_skip_solved_sets_aside_the_prompts_always_solved():
+    """--skip-solved 2: a prompt whose group was all right in each of its last 2 draws is drawn no more; one
+    wrong response resets its count. The pool never falls below a generation batch: then every prompt set
+    aside returns. The sampler's order is otherwise the same (a resume restores the set)."""
+    right, wrong = [{"row": 3, "success": True}] * 4, [{"row": 3, "success": True}] * 3 + [{"row": 3, "success": False}]
+    record = {}
+    assert dapo.set_aside_solved(record, [right], 2) == [] and record == {3: 1}
+    assert dapo.set_aside_solved(record, [wrong], 2) == [] and record == {3: 0}
+    assert dapo.set_aside_solved(record, [right], 2) == [] and dapo.set_aside_solved(record, [right], 2) == [3]
+    sampler, plain = dapo.Sampler(10, seed=0, keep=4), dapo.Sampler(10, seed=0)
+    assert sampler.set_aside([3, 5]) == 2
+    drawn = sampler.take(20)
+    assert 3 not in drawn and 5 not in drawn and drawn == [i for i in plain.take(25) if i not in (3, 5)][:20]
+    assert sampler.set_aside([0, 1, 2, 4]) == 6 and sampler.set_aside([6]) == 0   # 3 left < 4: all return
+    again = dapo.Sampler(10, seed=0, keep=4)
+    again.restore(sampler.epoch, sampler.pos, [3, 5])
+    assert 3 not in again.take(16)
 
 
 def test_eq11_dynamic_sampling_off_keeps_everything():
     cfg = dapo.Config(prompts_per_step=8, group_size=4, gen_batch_size=6, dynamic_sampling=False)
     fn, calls = _stub_sample_fn(4)
-    kept, _, stats = dapo.collect_batch(fn, dapo.Sampler(300, seed=0), cfg)
+    kept, _, _, stats = dapo.collect_batch(fn, dapo.Sampler(300, seed=0), cfg)
     assert len(kept) == 8 and len(calls) == 1 and len(calls[0]) == 8
 
 
@@ -2221,6 +2263,48 @@ def test_sapo_gate_weighs_the_gradient_by_4_sigma_1_minus_sigma():
         assert all(a < b for a, b in zip(weight[:3], weight[1:4]))                    # fading below r = 1
         assert all(a > b for a, b in zip(weight[3:-1], weight[4:])) and weight[-1] < 0.5   # and above
         assert st["clip/high_frac"].item() == pytest.approx(1 / 8) and st["clip/low_frac"].item() == 0
+
+
+def test_dppo_keeps_the_policy_gradient_inside_a_probability_trust_region():
+    """DPPO (--loss dppo_tv, dppo_kl, with verl's thresholds 0.15 and 0.05): the gradient of -sg(r) A log π,
+    -A r per token, where the sampled token's probability moved within the bound on the side A pushes, and 0
+    beyond it. π_θold = 0.5 for five tokens; π_θ = 0.6 (A +1), 0.7 (A +1), 0.7 (A -1), 0.3 (A -1), 0.3 (A +1).
+    TV: |Δp| = 0.1 is inside; +0.2 with A > 0 and -0.2 with A < 0 are beyond, the other two move the way A
+    does not push. KL: the binary KL of 0.5 -> 0.6 is 0.0204, inside 0.05; 0.5 -> 0.7 or 0.3 is 0.0872.
+    Token-level normaliser: 5 tokens. As verl's compute_policy_loss_dppo_tv / _kl compute them."""
+    p = torch.tensor([[0.6], [0.7], [0.7], [0.3], [0.3]], dtype=torch.float64)   # five one-token samples
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0, 1.0], dtype=torch.float64)
+    old, mask = torch.full((5, 1), math.log(0.5), dtype=torch.float64), torch.ones(5, 1)
+    assert 0.5 * math.log(0.5 / 0.7) + 0.5 * math.log(0.5 / 0.3) == pytest.approx(0.08718, abs=1e-5)
+    assert 0.5 * math.log(0.5 / 0.6) + 0.5 * math.log(0.5 / 0.4) == pytest.approx(0.02041, abs=1e-5)
+    r = (p / 0.5).flatten().tolist()
+    for kind in ("dppo_tv", "dppo_kl"):
+        cfg = dapo.Config(loss=kind, **dapo.LOSSES[kind]["preset"])
+        logp = torch.log(p).requires_grad_()
+        loss, stats = dapo.policy_loss(logp, old, adv, mask, cfg)
+        loss.backward()
+        want = [-r[0] / 5, 0.0, r[2] / 5, 0.0, -r[4] / 5]   # -A r / 5 inside, 0 beyond
+        assert logp.grad.flatten().tolist() == pytest.approx(want, abs=1e-12), kind
+        assert stats["clip/high_frac"].item() == pytest.approx(1 / 5) and stats["clip/low_frac"].item() == pytest.approx(1 / 5)
+
+
+def test_gmpo_takes_the_geometric_mean_of_log_space_clipped_ratios():
+    """GMPO (--loss gmpo, ε 0.4 in log space): one sequence, log r = 0.1, 0.6, -0.5. With A = +1 the clip caps
+    the rise (0.6 -> 0.4) and lets the fall through: mean(0.1, 0.4, -0.5) = 0, ratio 1, loss -1, and the
+    gradient -1/3 on the two unclipped tokens, 0 on the clipped one. With A = -1 it floors the fall (-0.5 ->
+    -0.4): mean(0.1, 0.6, -0.4) = 0.1, loss e^0.1. The per-sample normaliser makes it the sequence's loss, as
+    verl's compute_policy_loss_geo_mean."""
+    cfg = dapo.Config(loss="gmpo", **dapo.LOSSES["gmpo"]["preset"])
+    old, mask = torch.zeros(1, 3, dtype=torch.float64), torch.ones(1, 3)
+    for a, want_loss, want_grad in ((1.0, -1.0, [-1 / 3, 0.0, -1 / 3]),
+                                    (-1.0, math.exp(0.1), [math.exp(0.1) / 3, math.exp(0.1) / 3, 0.0])):
+        logp = torch.tensor([[0.1, 0.6, -0.5]], dtype=torch.float64, requires_grad=True)
+        norm = dapo.loss_normaliser([{"trained": True, "len": 3}], cfg)
+        loss, stats = dapo.policy_loss(logp, old, torch.tensor([a], dtype=torch.float64), mask, cfg, norm)
+        loss.backward()
+        assert norm.per_sample and loss.item() == pytest.approx(want_loss, abs=1e-12)
+        assert logp.grad[0].tolist() == pytest.approx(want_grad, abs=1e-12)
+        assert (stats["clip/high_frac"] if a > 0 else stats["clip/low_frac"]).item() == pytest.approx(1 / 3)
 
 
 def test_kl_penalty_adds_beta_times_k3_to_the_reference():
@@ -3498,6 +3582,13 @@ def test_resume_after_a_failed_save_reproduces_a_straight_run(straight_run, tmp_
     timing = lambda k: k.startswith("time/") or k == "tokens/s"   # noqa: E731
     for x, y in zip(ma, mb):
         assert {k: v for k, v in x.items() if not timing(k)} == {k: v for k, v in y.items() if not timing(k)}
+    # the resume crossed a carried surplus (step 2's, used in step 3) and --skip-solved's record: both are in
+    # the checkpoint, the surplus whole (its tokens and step-old vLLM log-probs) and held by rank 0
+    state = json.load(open(b / "checkpoints" / "step_000002" / "state.json"))
+    assert len(state["carried"]) == ma[2]["filter/carried"] > 0 and "set_aside" in state
+    assert all(s["carried"] and s["src"] == 0 and len(s["response_ids"]) == len(s["vllm_logp"]) == s["len"]
+               for g in state["carried"] for s in g)
+    assert len(state["solved"]) >= 2 * 16 and set(state["solved"].values()) <= {0, 1}   # each prompt drawn
     sa, sb = ([json.loads(x) for x in open(d / "samples.jsonl")] for d in (a, b))
     assert sa == sb and [x["step"] for x in sa] == [1] * 4 + [2] * 4 + [3] * 4 + [4] * 4
     assert {"prompt", "response", "answer", "reward"} <= sa[0].keys()
@@ -3555,10 +3646,11 @@ def test_end_to_end_carry_task_reports_each_level(tmp_path):
 def test_end_to_end_torchrun_2_ranks(tmp_path):
     """Also the token-budget path through the real update_policy: with a budget of 40 real tokens
     the ranks pack different numbers of micro-batches, and the one with fewer runs zero-weight
-    padding micro-batches, whose empty log-probs the sync gap's statistics must skip. Then the 2 ranks'
-    checkpoint resumes in 1 process, as load_checkpoint's docstring claims."""
-    out = _torchrun(2, "dapo.py", *E2E_ARGS, "--steps", "3", "--micro-batch-tokens", "40", "--out-dir", str(tmp_path),
-                    timeout=900)
+    padding micro-batches, whose empty log-probs the sync gap's statistics must skip. --carry-surplus: a group
+    carried to the next step keeps its tokens on the rank that generated it until it is trained. Then the 2
+    ranks' checkpoint resumes in 1 process, as load_checkpoint's docstring claims, its carried surplus too."""
+    out = _torchrun(2, "dapo.py", *E2E_ARGS, "--steps", "3", "--micro-batch-tokens", "40", "--carry-surplus",
+                    "--out-dir", str(tmp_path), timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     _check_run(str(tmp_path), out.stdout)
     padding = [json.loads(line)["update/padding_micro_batches"] for line in open(tmp_path / "metrics.jsonl")]
@@ -3571,11 +3663,13 @@ def test_end_to_end_torchrun_2_ranks(tmp_path):
                "assert not model_parallel_is_initialized()  # vLLM's groups are gone\n"
                "dapo.exit_now(0)  # the interpreter's own teardown is not under test\n")
     out = _run([sys.executable, "-c", library, *E2E_ARGS, "--steps", "4", "--micro-batch-tokens", "40", "--resume",
-                "--out-dir", str(tmp_path)], timeout=900)
+                "--carry-surplus", "--out-dir", str(tmp_path)], timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     assert "resumed from" in out.stdout and "step 3" in out.stdout
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["sync/logp_diff_max"] < 1e-4
+    print(f"carried groups per step: {[r['filter/carried'] for r in rows]}")
+    assert rows[1]["filter/carried"] > 0 and rows[3]["filter/carried"] > 0   # across steps, and across the resume
 
 
 def test_end_to_end_torchrun_tensor_parallel_2(tmp_path):

@@ -49,7 +49,9 @@ VARIANTS = [RUNGS[0], ("DAPO", 50, [], "rung5"), ("GSPO", "-", ["--loss", "gspo"
             ("SAPO", "-", ["--loss", "sapo"], "sapo"),
             ("DAPO + KL 0.001", "-", ["--kl-coef", "0.001"], "kl"),
             ("DAPO + top-20% entropy tokens", "-", ["--top-entropy-quantile", "0.2"], "entropy"),
-            ("DAPO + sequence IS mask (cap 3)", "-", ["--tis-mode", "sequence_mask", "--tis-cap", "3"], "tis")]
+            ("DAPO + sequence IS mask (cap 3)", "-", ["--tis-mode", "sequence_mask", "--tis-cap", "3"], "tis"),
+            ("DPPO-Binary-TV", "-", ["--loss", "dppo_tv"], "dppo_tv"), ("DPPO-Binary-KL", "-", ["--loss", "dppo_kl"], "dppo_kl"),
+            ("GMPO", "-", ["--loss", "gmpo"], "gmpo")]
 # Each variant's own statistic (the last-steps mean, in the report): what its flag does
 OWN = ["kl/ref", "entropy/selected_frac", "tis/clipped_frac", "tis/clipped_seq_frac", "mismatch/kl_k1"]
 SHORT, LONG = (1, 2, 3), (4, 5)  # the carry task's levels (columns): held-out split by difficulty
