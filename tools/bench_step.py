@@ -2,6 +2,7 @@
 
     python tools/bench_step.py                    # 32 prompts x 8 responses, max 256 tokens, mu = 1
     python tools/bench_step.py --seeds            # generation only: unseeded / per-request seeds / per call
+    python tools/bench_step.py --precision fp32 bf16 --tis-cap 2   # both precisions, side by side, one run
 
 A random-init tiny Qwen2 (the demo's shape, vocabulary 128, fp32): EOS is one token in 128, so
 responses average ~110 tokens at a maximum of 256, ragged as DAPO's are. Dynamic sampling off,
@@ -35,7 +36,12 @@ def main():
     p.add_argument("--micro-batch-size", type=int, default=256)
     p.add_argument("--micro-batch-tokens", type=int, default=0)
     p.add_argument("--seeds", action="store_true", help="time generation alone under three seeding schemes")
+    p.add_argument("--precision", nargs="+", default=["fp32"], choices=["fp32", "bf16"],
+                   help="dapo.py's --precision; several: each in a process of its own, one after the other")
+    p.add_argument("--tis-cap", type=float, default=0.0, help="dapo.py's --tis-cap (its tis/* shares are printed)")
     a = p.parse_args()
+    if len(a.precision) > 1:
+        return side_by_side(a)
     from transformers import AutoTokenizer
     path = os.path.join(tempfile.mkdtemp(prefix="bench_step_"), "model")
     # the demo's tokenizer, widened to 128 tokens: EOS is one token in 128
@@ -46,7 +52,7 @@ def main():
                       dynamic_sampling=False, max_prompt_len=16, max_response_len=a.max_response_len,
                       overlong_cache_len=a.max_response_len // 4, num_mini_batches=1,
                       micro_batch_size=a.micro_batch_size, micro_batch_tokens=a.micro_batch_tokens, lr=1e-6,
-                      warmup_steps=1)
+                      warmup_steps=1, precision=a.precision[0], tis_cap=a.tis_cap)
     device = dapo.init_distributed()
     tokenizer = AutoTokenizer.from_pretrained(path)
     rows, _ = demo_model.demo_task(cfg.seed)
@@ -73,7 +79,7 @@ def main():
         dapo.overlong_filtering(samples, cfg)
         dapo.distribute(samples, cfg)
         t1 = time.perf_counter()
-        dapo.update_policy(run, samples)
+        m = dapo.update_policy(run, samples)
         t2 = time.perf_counter()
         dapo.sync_weights(model, llm)
         t3 = time.perf_counter()
@@ -81,7 +87,8 @@ def main():
         tokens = sum(len(s["prompt_ids"]) for s in samples) + sum(lens)
         r = {"generation": t["time/rollout"], "reward": t["time/reward"], "update": t2 - t1, "sync": t3 - t2,
              "step": t3 - t0, "update_per_token": (t2 - t1) / tokens,
-             "mean_len": sum(lens) / len(samples), "tokens": tokens}
+             "mean_len": sum(lens) / len(samples), "tokens": tokens,
+             **{k: m[k] for k in m if k.startswith(("sync/logp", "mismatch/", "tis/"))}}
         dapo.print0(f"step {step}{' (warm-up)' if step < a.warmup else ''}: " +
                     "  ".join(f"{k} {v * 1e3:.0f} ms" for k, v in r.items() if k in ("generation", "update", "step")) +
                     f"  mean response {r['mean_len']:.1f}")
@@ -93,6 +100,26 @@ def main():
     for k in ("generation", "reward", "update", "sync", "step"):
         dapo.print0(f"  {k:<11} {med[k] * 1e3:8.0f} ms")
     dapo.print0(f"  update per real token {med['update_per_token'] * 1e6:8.1f} us")
+    for k in sorted(k for k in med if "/" in k):
+        dapo.print0(f"  {k:<24} {med[k]:.3g}")
+
+
+def side_by_side(a):
+    """Each --precision in a process of its own (one engine per process), then their medians side by side."""
+    import re
+    import subprocess
+    rows = {}
+    for precision in a.precision:
+        argv = [x for x in sys.argv[1:] if x not in a.precision and x != "--precision"]
+        out = subprocess.run([sys.executable, __file__, *argv, "--precision", precision], capture_output=True,
+                             text=True, check=True).stdout
+        print(out, flush=True)
+        rows[precision] = dict(re.findall(r"^  (\S[^ ]*(?: per real token)?)\s+([-\d.e+]+)", out, re.M))
+    names = list(rows[a.precision[0]])
+    print(f"| | {' | '.join(a.precision)} | {a.precision[1]} / {a.precision[0]} |\n|---|" + "---|" * (len(a.precision) + 1))
+    for k in names:
+        v = [float(rows[p].get(k, "nan")) for p in a.precision]
+        print(f"| {k} | {' | '.join(f'{x:.4g}' for x in v)} | {v[1] / v[0]:.2f} |")
 
 
 def bench_seeds(a, cfg, llm, sampler, prompt_ids):

@@ -51,9 +51,12 @@ VARIANTS = [RUNGS[0], ("DAPO", 50, [], "rung5"), ("GSPO", "-", ["--loss", "gspo"
             ("DAPO + top-20% entropy tokens", "-", ["--top-entropy-quantile", "0.2"], "entropy"),
             ("DAPO + sequence IS mask (cap 3)", "-", ["--tis-mode", "sequence_mask", "--tis-cap", "3"], "tis"),
             ("DPPO-Binary-TV", "-", ["--loss", "dppo_tv"], "dppo_tv"), ("DPPO-Binary-KL", "-", ["--loss", "dppo_kl"], "dppo_kl"),
-            ("GMPO", "-", ["--loss", "gmpo"], "gmpo")]
+            ("GMPO", "-", ["--loss", "gmpo"], "gmpo"),
+            ("DAPO + carried surplus", "-", ["--carry-surplus"], "carry"),
+            ("DAPO + carried surplus + skip solved (K 1)", "-", ["--carry-surplus", "--skip-solved", "1"], "carry_skip")]
 # Each variant's own statistic (the last-steps mean, in the report): what its flag does
-OWN = ["kl/ref", "entropy/selected_frac", "tis/clipped_frac", "tis/clipped_seq_frac", "mismatch/kl_k1"]
+OWN = ["kl/ref", "entropy/selected_frac", "tis/clipped_frac", "tis/clipped_seq_frac", "mismatch/kl_k1",
+       "filter/carried", "filter/set_aside"]
 SHORT, LONG = (1, 2, 3), (4, 5)  # the carry task's levels (columns): held-out split by difficulty
 KEY = "eval/avg@4"
 
@@ -121,6 +124,11 @@ def curve(run):
     return out
 
 
+def waste(run):
+    """Responses generated per trained group over the whole run: G = 8 when nothing is filtered away."""
+    return sum(m["gen/responses"] for m in run["metrics"]) / (len(run["metrics"]) * dapo.CARRY["prompts_per_step"])
+
+
 def first_reach(c, target):
     return next(((s, g) for s, g, e in c if e[KEY] >= target), (None, None))
 
@@ -147,9 +155,9 @@ def report(args):
     last = lambda r, k: statistics.mean(m[k] for m in r["metrics"][-args.tail:])  # late-training mean
     table = [f"| rung | paper AIME24 | held-out avg@4 (mean ± sd) | short d1-d3 | long d4-d5 | "
              f"steps to {entries(args)[base][0]}'s final ({grpo_final:.3f}) | responses to it | at its responses | "
-             f"entropy | truncated | kept | effective groups | responses/step | clip lo / hi |"
-             + (" its own statistic |" if args.variants else ""),
-             "|" + "---|" * (15 if args.variants else 14)]
+             f"entropy | truncated | kept | effective groups | responses/step | responses per trained group | "
+             f"clip lo / hi |" + (" its own statistic |" if args.variants else ""),
+             "|" + "---|" * (16 if args.variants else 15)]
     for i, rs in sorted(runs.items()):
         name, paper = entries(args)[i][:2]
         reach = [first_reach(curve(r), grpo_final) for r in rs]
@@ -168,6 +176,7 @@ def report(args):
             f"| {statistics.mean(last(r, 'filter/kept_frac') for r in rs):.2f} "
             f"| {statistics.mean(last(r, 'batch/effective_groups') for r in rs):.1f} "
             f"| {statistics.mean(last(r, 'gen/responses') for r in rs):.0f} "
+            f"| {statistics.mean(waste(r) for r in rs):.2f} "
             f"| {100 * statistics.mean(last(r, 'clip/low_frac') for r in rs):.3f}% / "
             f"{100 * statistics.mean(last(r, 'clip/high_frac') for r in rs):.3f}% |"
             + (" " + ", ".join(f"{k} {statistics.mean(last(r, k) for r in rs):.3g}" for k in OWN
