@@ -119,7 +119,8 @@ def side_by_side(a):
     print(f"| | {' | '.join(a.precision)} | {a.precision[1]} / {a.precision[0]} |\n|---|" + "---|" * (len(a.precision) + 1))
     for k in names:
         v = [float(rows[p].get(k, "nan")) for p in a.precision]
-        print(f"| {k} | {' | '.join(f'{x:.4g}' for x in v)} | {v[1] / v[0]:.2f} |")
+        ratio = f"{v[1] / v[0]:.2f}" if "/" not in k and v[0] else "-"   # times: a ratio; statistics: values
+        print(f"| {k} | {' | '.join(f'{x:.4g}' for x in v)} | {ratio} |")
 
 
 def bench_seeds(a, cfg, llm, sampler, prompt_ids):
