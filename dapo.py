@@ -46,6 +46,7 @@ import json
 import math
 import os
 import random
+import resource
 import sys
 import time
 import types
@@ -59,7 +60,7 @@ from torch.nn.utils.rnn import pad_sequence
 import reward  # the answer checker (Eq. 7), beside this file
 
 # Checks of the user's files (Part 2) live in lib/: bad input is one line, before anything slow.
-from lib import check_data, interrupt
+from lib import check_data, interrupt, lora
 from lib.dist import (STALE_SHM, all_gather_objects, all_to_all_objects, compute_device, full_tensor,
                       init_distributed, own_ipc_dir, print0, rank, unlink_group_shm, world)
 from lib.check_data import InputError as DapoError, check_checkpoint, check_model, check_weights, one_line
@@ -136,6 +137,10 @@ class Config:
     micro_batch_tokens: int = 0      # micro-batches by this budget of real tokens; 0 = by --micro-batch-size
     logprob_chunk: int = 1024        # tokens per chunk of the memory-lean log-prob path {>= 1}
     grad_checkpointing: bool = False  # recompute each decoder layer's activations in backward
+    lora_rank: int = 0               # r: LoRA adapters on every linear layer of the decoder (attention's q, k, v, o,
+    #  the MLP's gate, up, down: which layers carry them matters more than r, TRL's docs found), the rest frozen;
+    #  0 = every weight trains
+    lora_alpha: float = 32.0         # α: the adapters' update is (α / r) B A {> 0}
     attn_impl: str = ""              # trainer attention: flex_attention, flash_attention_2 or sdpa; "" = flex
     #   on CUDA (sequences packed in one row, block-sparse masks), sdpa on CPU (rows, dense masks)
     cpu_offload: bool = False        # CUDA only: keep sharded params, grads and optimizer state in CPU RAM
@@ -446,7 +451,7 @@ def train(cfg):
         metrics.update(update_policy(run, samples))
         ticks.append(time.perf_counter())
         # 4. Push the new weights into vLLM (push_weights, Part 2).
-        push_weights(run)
+        metrics["sync/bytes"] = push_weights(run)
         ticks.append(time.perf_counter())
         # 5. Evaluate; log_step and save_checkpoint (Part 2) write the logs and the checkpoint.
         evals = {}
@@ -905,12 +910,27 @@ def _gather(t, dtype):
     return full_tensor(t.to(device=compute_device(), dtype=dtype))
 
 
+def engine_weights(model, dtype, skip=()):
+    """(name, full tensor in dtype) of the policy as vLLM and the export read it: every state_dict tensor (a
+    tied lm_head included), with --lora-rank the adapters merged into their layer's weight (lib/lora.py) and
+    not streamed themselves. The trainer's model is not changed. A collective: every rank iterates it."""
+    sd = model.state_dict()
+    for name in sd:
+        if not lora.is_adapter(name) and name not in skip:
+            yield name, lora.full_weight(sd, name, _gather, dtype, getattr(model, "lora_scale", 0.0))
+
+
 def sync_weights(model, llm, skip=()):
     """Push the trained weights into vLLM in ONE reload_weights call (one call per tensor would corrupt
     vLLM's fused qkv/gate_up layers), from state_dict() so that a tied lm_head is included. A parameter
     left unwritten would be garbage after a dummy start or a sleep: refused. skip: tests only."""
-    dtype = llm.llm_engine.model_config.dtype
-    stream = ((name, _gather(t, dtype)) for name, t in model.state_dict().items() if name not in skip)
+    pushed = [0]
+
+    def counted(weights):  # the bytes that reach vLLM
+        for name, t in weights:
+            pushed[0] += t.numel() * t.element_size()
+            yield name, t
+    stream = counted(engine_weights(model, llm.llm_engine.model_config.dtype, skip))
     missing = llm.collective_rpc(_reload_and_list_missing, kwargs={"weights_iterator": stream})[0]
     llm.reset_prefix_cache()
     if missing:
@@ -918,16 +938,18 @@ def sync_weights(model, llm, skip=()):
                         f"(their values would be garbage): the trainer's state_dict names do not cover the "
                         f"engine's model; check that --model is a causal LM that vLLM and transformers name "
                         f"alike")
+    return pushed[0]
 
 
 def push_weights(run):
     """Algorithm 1's weight sync, after every update. After a sleep, the weights wake first and are
-    reloaded before the KV cache returns."""
+    reloaded before the KV cache returns. Returns the bytes pushed into vLLM."""
     if run.sleep:
         run.llm.wake_up(tags=["weights"])
-    sync_weights(run.model, run.llm)
+    pushed = sync_weights(run.model, run.llm)
     if run.sleep:
         run.llm.wake_up()
+    return pushed
 
 
 def sync_diff_stats(samples):
@@ -1091,7 +1113,8 @@ def old_logprobs(run, plan):
                         if cfg.top_entropy_quantile < 1:
                             s["old_entropy"] = e[:len(s["response_ids"])].cpu()
                 if cfg.kl_coef:
-                    lp, _ = run.ref.forward_logprobs(batch, cfg.temperature, cfg.logprob_chunk)
+                    with lora.adapters_off() if run.ref is run.model else contextlib.nullcontext():
+                        lp, _ = run.ref.forward_logprobs(batch, cfg.temperature, cfg.logprob_chunk)
                     for s, row in zip(mb, lp):
                         s["ref_logp"] = row[:len(s["response_ids"])].cpu()
     if cfg.kl_coef:  # FSDP2 keeps a root module's weights gathered after a forward with no backward
@@ -1237,7 +1260,7 @@ def load_hf_weights(model, path):
     msg = [None, []]  # rank 0 checks names and shapes first, so that every rank fails alike
     if rank() == 0:
         try:
-            shapes = {k: list(v.shape) for k, v in params.items()}
+            shapes = {k: list(v.shape) for k, v in params.items() if not lora.is_adapter(k)}
             msg = [None, check_weights(path, shapes, model.config.tie_word_embeddings)]
         except DapoError as e:
             msg = [str(e), []]
@@ -1278,6 +1301,10 @@ def load_policy(cfg, path, device, weights=True, reference=False):
     with contextlib.suppress(OSError):  # from_config alone drops generation_config.json (vLLM's stop set)
         model.generation_config = GenerationConfig.from_pretrained(path)
     model.config.use_cache = False
+    adapted = cfg.lora_rank and not reference
+    if adapted:  # lib/lora.py: B A beside every linear layer of the decoder; every other weight frozen
+        lora.add_adapters(model, cfg.lora_rank, cfg.lora_alpha)
+        model.lora_scale = cfg.lora_alpha / cfg.lora_rank
     if cfg.grad_checkpointing and not reference:  # only each layer's input is kept; the rest recomputed
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()  # HF checkpoints only in train mode (Qwen2 has no dropout to switch on)
@@ -1301,7 +1328,10 @@ def load_policy(cfg, path, device, weights=True, reference=False):
             model._init_weights(m)  # recomputed as transformers does
     if weights:
         load_hf_weights(model, path)
-    model.requires_grad_(not reference)
+        if adapted:  # B = 0: the adapted model starts as the base (on resume, the checkpoint fills them)
+            lora.init_adapters(model, cfg.seed)
+    if not adapted:
+        model.requires_grad_(not reference)
     return model
 
 
@@ -1310,7 +1340,8 @@ def save_hf(model, tokenizer, path, dtype=torch.bfloat16, shard_gb=5.0):
     configs, tokenizer). Tensors are gathered one at a time; file i is written by rank i % world."""
     import copy
     from safetensors.torch import save_file
-    sd = model.state_dict()
+    full = model.state_dict()
+    sd = {k: v for k, v in full.items() if not lora.is_adapter(k)}  # LoRA's adapters go merged into W
     if model.config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)  # tied: stored once, as the embedding
     shards, size = [[]], 0  # names per file, planned from the shapes alone
@@ -1325,7 +1356,7 @@ def save_hf(model, tokenizer, path, dtype=torch.bfloat16, shard_gb=5.0):
     for i, (names, file) in enumerate(zip(shards, files)):
         out = {}
         for name in names:
-            t = _gather(sd[name], dtype)  # every rank gathers; one keeps and writes
+            t = lora.full_weight(full, name, _gather, dtype, getattr(model, "lora_scale", 0.0))  # every rank gathers
             if i % world() == rank():
                 out[name] = t.cpu()
         if out:
@@ -1645,8 +1676,10 @@ def set_up(cfg):
     torch.manual_seed(cfg.seed)      # the same on every rank: identical initial replicas
     run.model = load_policy(cfg, path, device, weights=not ckpt)
     if cfg.kl_coef:  # the initial policy, never a checkpoint's export: the reference stays where it began
-        run.ref = load_policy(cfg, original, device, reference=True)
-    run.opt = torch.optim.AdamW(run.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        # (with --lora-rank: the policy with its adapters off, lib/lora.py, no second model)
+        run.ref = run.model if cfg.lora_rank else load_policy(cfg, original, device, reference=True)
+    run.opt = torch.optim.AdamW([p for p in run.model.parameters() if p.requires_grad], lr=cfg.lr,
+                                weight_decay=cfg.weight_decay)  # with --lora-rank, the adapters alone
     run.sampler = Sampler(len(train_rows), cfg.seed, keep=cfg.gen_batch_size)
     run.carried = restore_carried(state.get("carried", []))  # --carry-surplus: the last step's surplus
     run.solved = {int(row): n for row, n in state.get("solved", {}).items()}  # --skip-solved's record
@@ -1692,7 +1725,8 @@ def log_step(run, step, m, every, samples, lr, ticks, evals):
               "gen/responses": len(every),
               "entropy/generated": m.pop("gen/nll") / max(1, m.pop("gen/tokens")),
               "time/update": sync - update, "time/sync": end - sync, "time/step": end - start,
-              "tokens/s": (sum(lens) + sum(len(s["prompt_ids"]) for s in every)) / (end - start), **evals})
+              "tokens/s": (sum(lens) + sum(len(s["prompt_ids"]) for s in every)) / (end - start),
+              "mem/peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, **evals})
     if rank() == 0:
         run.logs["metrics"].write(json.dumps(m) + "\n")
         run.logs["metrics"].flush()

@@ -435,12 +435,13 @@ def _grad_worker(model_dir, out_dir, *runs):
 
 
 def _gradient(model_dir, device, micro_batch_size, micro_batch_tokens=0, grad_checkpointing=0, padded=0,
-              variants=0, one_row=0):
-    """The gradient of one mini-batch through FSDP2.
+              variants=0, one_row=0, lora=0):
+    """The gradient of one mini-batch through FSDP2, of every parameter that has one.
     padded=1: through the padded layout of _padded_collate (the reference for packed rows).
     variants=1: {name: gradient} for every --loss variant, each with its preset, then each of KNOBS
     (vLLM's log-probs, the reference's and π_θold's entropies are made up, a little off π_θold).
-    one_row=1: every sequence of a micro-batch in one row, the layout flex/flash attention get on GPU."""
+    one_row=1: every sequence of a micro-batch in one row, the layout flex/flash attention get on GPU.
+    lora=1: --lora-rank 4, its B random (B = 0 would give A no gradient)."""
     import random
     if padded:
         dapo.collate, dapo.forward_logprobs = _padded_collate, _padded_forward_logprobs
@@ -457,10 +458,18 @@ def _gradient(model_dir, device, micro_batch_size, micro_batch_tokens=0, grad_ch
     dapo.collate = recording
     cfg = dapo.Config(micro_batch_size=micro_batch_size, num_mini_batches=1, logprob_chunk=3, max_response_len=16,
                       overlong_filtering=True, micro_batch_tokens=micro_batch_tokens,
-                      grad_checkpointing=bool(grad_checkpointing))
+                      grad_checkpointing=bool(grad_checkpointing), lora_rank=4 if lora else 0)
     torch.manual_seed(0)
     model = dapo.load_policy(cfg, model_dir, device)
     print("use_cache", model.config.use_cache)
+    if lora:
+        from torch.distributed.tensor import distribute_tensor
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith("lora_B"):   # the same full tensor on every rank, each keeping its shard
+                    full = torch.randn(p.shape, generator=g) * 0.1
+                    p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local())
     rng = random.Random(0)
     samples = []
     for i in range(8):   # unequal lengths (rank 0's share long, rank 1's short), one truncated sample
@@ -491,7 +500,7 @@ def _gradient(model_dir, device, micro_batch_size, micro_batch_tokens=0, grad_ch
         floor = dapo.entropy_threshold(dapo.all_entropies(plan[0]), rho) if rho < 1 else None
         dapo.policy_gradient(model, minis[0], plan[0], c, 0, device, floor)
         out[name] = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
-                     for n, p in model.named_parameters()}
+                     for n, p in model.named_parameters() if p.grad is not None}
     seen = dapo.all_gather_objects(sorted(layouts))[0]
     if dapo.rank() == 0:
         print("layouts", json.dumps(sorted({x for part in seen for x in part})), flush=True)
@@ -524,7 +533,8 @@ def _relative_gap(a, b):
 
 
 # The gradients the CPU tests compare, by ranks: _grads computes a model's whole list in one launch
-GRAD_RUNS = {1: [(8, 0, 0, 0, 1), (8,), (4, 0, 1), (8, 0, 0, 1)], 2: [(2, 0, 0, 0, 1), (8, 24, 0), (8, 24, 0, 0, 0, 1)]}
+GRAD_RUNS = {1: [(8, 0, 0, 0, 1), (8,), (4, 0, 1), (8, 0, 0, 1), (8, 0, 0, 0, 1, 0, 1)],
+             2: [(2, 0, 0, 0, 1), (8, 24, 0), (8, 24, 0, 0, 0, 1), (2, 0, 0, 0, 1, 0, 1)]}
 
 
 _GRADS = {}  # (model, _gradient's arguments, ranks) -> (gradients, stdout): tests that need the same run share it
@@ -2559,6 +2569,21 @@ def test_gradient_2_ranks_x_2_micro_batches_equals_1_process(tiny_model, tmp_pat
             assert scale > 1e-3
 
 
+def test_lora_gradient_2_ranks_x_2_micro_batches_equals_1_process(tiny_model, tmp_path):
+    """--lora-rank 4: for every --loss and knob, only the adapters (B A of every linear layer of the decoder) have a
+    gradient, and 2 ranks x 2 micro-batches give the 1-process gradient within GRAD_RTOL, as without LoRA."""
+    (v1, _), (v2, _) = (_grads(tiny_model, tmp_path, 8, 0, 0, 0, 1, 0, 1),
+                        _grads(tiny_model, tmp_path, 2, 0, 0, 0, 1, 0, 1, nproc=2))
+    assert list(v1) == list(v2) == list(dapo.LOSSES) + list(KNOBS)
+    layers = [f"model.layers.{i}.{m}" for i in range(2) for m in ("self_attn.q_proj", "self_attn.k_proj",
+              "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    for loss in v1:
+        assert sorted(v1[loss]) == sorted(f"{x}.lora_{ab}" for x in layers for ab in "AB") == sorted(v2[loss])
+        worst, scale = _relative_gap(v1[loss], v2[loss])
+        print(f"LoRA, {loss}: max |grad(2 ranks x 2 micro) - grad(1 x 1)| = {worst:.1e} of the largest entry {scale:.2e}")
+        assert scale > 1e-4 and worst < GRAD_RTOL
+
+
 def test_token_budget_and_checkpointing_give_the_same_gradient(tiny_model, tmp_path):
     plain, _ = _grads(tiny_model, tmp_path, 8)
     # a budget of 24 padded tokens: sequences of 4..12 tokens pack 1-4 to a micro-batch, and the
@@ -2853,6 +2878,30 @@ def test_memory_plan_matches_measured_peak():
         assert not within(1.5 * planned, measured) and not within(0.7 * planned, measured)   # each case's control
 
 
+def test_memory_plan_counts_what_lora_saves(capsys):
+    """--lora-rank: the planner keeps the fp32 base and adds the adapters, r (in + out) per linear layer of the
+    decoder, and counts gradients and AdamW state for the adapters alone; the weight sync pushes the merged
+    weights, as many bytes as without LoRA. Qwen2.5-7B on one 80 GB GPU (vLLM's share 0.5): with LoRA 64 it fits,
+    without it not (the full AdamW state alone is 61 GB)."""
+    shape = plan.model_shape("Qwen2.5-7B")
+    h, L, nh, kv, i, V, tied, hd = shape
+    assert plan.lora_params(shape, 8) == L * 8 * ((h + h) + 2 * (h + kv * hd) + 2 * h + 2 * (h + i) + (i + h))
+    full = plan.parse_config(["--model", "Qwen2.5-7B", "--max-response-len", "4096", "--overlong-cache-len", "1024",
+                              "--micro-batch-size", "1", "--grad-checkpointing", "--plan-gpus-per-node", "1",
+                              "--gpu-memory-utilization", "0.5"])
+    lora = dataclasses.replace(full, lora_rank=64)
+    (rows_full, v_full), (rows_lora, v_lora) = (plan.memory_plan(c, shape, 1, 1, 80.0) for c in (full, lora))
+    f, lo = dict(rows_full), dict(rows_lora)
+    A, P = v_lora["adapters"], v_full["params"]
+    assert lo["sharded AdamW state (m, v)"] == 8 * A and f["sharded AdamW state (m, v)"] == 8 * P
+    assert lo["sharded fp32 gradients"] == 4 * A and lo["sharded fp32 parameters (base + adapters)"] == 4 * (P + A)
+    sync = [k for k in lo if k.startswith("weight sync")]
+    assert lo[sync[0]] == f[[k for k in f if k.startswith("weight sync")][0]] == 2 * P
+    print(f"Qwen2.5-7B on one 80 GB GPU: full {v_full['fits']} (training peak {f['peak while training'] / 1e9:.1f} GB), "
+          f"LoRA 64 ({A / 1e6:.0f}M adapters) {v_lora['fits']} ({lo['peak while training'] / 1e9:.1f} GB)")
+    assert v_lora["gpu_fits"] and not v_full["gpu_fits"]
+
+
 def test_memory_plan_counts_the_kl_reference():
     """--kl-coef adds the frozen reference to what each GPU holds: sharded like the policy, in bf16 (2 bytes per
     parameter over the ranks); with --cpu-offload it is in host RAM instead. Without it, no such row."""
@@ -2993,6 +3042,8 @@ def test_a_choice_flag_is_checked_from_its_table(monkeypatch):
     (["--top-entropy-quantile", "0"], "--top-entropy-quantile must lie in (0, 1] (got 0.0)"),
     (["--tis-cap", "2", "--tis-min", "2"], "--tis-min 2.0 must lie below --tis-cap 2.0"),
     (["--tis-min", "0.5"], "--tis-min 0.5 needs --tis-cap: 0 turns rollout correction off"),
+    (["--lora-rank", "-1"], "--lora-rank must be >= 0 (got -1)"),
+    (["--lora-alpha", "nan"], "--lora-alpha must be positive (got nan)"),
     (["--tis-mode", "seq"], "--tis-mode must be one of token_truncate, token_mask, sequence_truncate, sequence_mask, not 'seq'"),
 ])
 def test_config_rules_each_refuse_in_one_line(flags, message):
@@ -3579,7 +3630,7 @@ def test_resume_after_a_failed_save_reproduces_a_straight_run(straight_run, tmp_
     ma = [json.loads(x) for x in open(a / "metrics.jsonl")]
     mb = [json.loads(x) for x in open(b / "metrics.jsonl")]
     assert [m["step"] for m in mb] == [1, 2, 3, 4]                                  # the log was trimmed
-    timing = lambda k: k.startswith("time/") or k == "tokens/s"   # noqa: E731
+    timing = lambda k: k.startswith(("time/", "mem/")) or k == "tokens/s"   # noqa: E731
     for x, y in zip(ma, mb):
         assert {k: v for k, v in x.items() if not timing(k)} == {k: v for k, v in y.items() if not timing(k)}
     # the resume crossed a carried surplus (step 2's, used in step 3) and --skip-solved's record: both are in
@@ -3602,6 +3653,48 @@ def test_resume_after_a_failed_save_reproduces_a_straight_run(straight_run, tmp_
                 "--max-response-len", "8", "--eval-samples", "2", "--eval-max-prompts", "32"], timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     assert re.search(r"eval \(model\): eval/avg@2 \d\.\d+  eval/pass@2 \d\.\d+  eval/maj@2 \d\.\d+", out.stdout), out.stdout
+
+
+def test_lora_trains_the_adapters_alone_resumes_bit_exact_and_exports_merged_weights(tmp_path):
+    """--lora-rank 4 --lora-alpha 8 on the demo, 3 steps, with --kl-coef (its reference: the policy with its
+    adapters off, no second model). The base weights stay exactly as loaded and the adapters move; the sync of
+    the merged weights is exact (fp32 noise); a run resumed from step 2 ends with the straight run's step-3
+    weights and metrics, bit for bit; a changed rank is refused in one line; the Hugging Face export holds
+    W + (α / r) B A, with no adapter tensor, loads in transformers and generates."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    lora = ["--lora-rank", "4", "--lora-alpha", "8", "--kl-coef", "0.05", "--save-every", "1", "--save-dtype", "float32"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    out = _dapo(*lora, "--steps", "3", "--eval-samples", "0", "--out-dir", str(a))
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = [json.loads(x) for x in open(a / "metrics.jsonl")]
+    assert all(r["sync/logp_diff_max"] < 1e-4 and r["kl/ref"] >= 0 for r in rows), rows
+    base = load_file(a / "base_model" / "model.safetensors")
+    final = _dcp_model(a / "checkpoints" / "step_000003")
+    assert all(torch.equal(base[k], final[k]) for k in base)                  # the base: frozen
+    adapters = {k: v for k, v in final.items() if ".lora_" in k}
+    assert len(adapters) == 2 * 7 * 2 and max(v.abs().max().item() for k, v in adapters.items() if k.endswith("B")) > 0
+    shutil.copytree(a, b)
+    shutil.rmtree(b / "checkpoints" / "step_000003")
+    out = _dapo(*lora, "--steps", "3", "--eval-samples", "0", "--resume", "--out-dir", str(b))
+    assert out.returncode == 0 and "resumed from" in out.stdout, out.stderr[-4000:]
+    resumed = _dcp_model(b / "checkpoints" / "step_000003")
+    assert all(torch.equal(final[k], resumed[k]) for k in final)
+    timing = lambda k: k.startswith(("time/", "mem/")) or k == "tokens/s"   # noqa: E731
+    same = lambda r: {k: v for k, v in r.items() if not timing(k)}   # noqa: E731
+    assert [same(r) for r in rows] == [same(json.loads(x)) for x in open(b / "metrics.jsonl")]
+    out = _dapo(*lora[:1], "8", *lora[2:], "--steps", "4", "--resume", "--out-dir", str(b))
+    assert out.returncode == 2 and re.search(r"^error: cannot resume: .*--lora-rank 4 -> 8", out.stderr, re.M), out.stderr
+    export = a / "checkpoints" / "step_000003" / "model"
+    merged = {k: v for f in export.glob("*.safetensors") for k, v in load_file(f).items()}
+    assert not any(".lora_" in k for k in merged) and merged.keys() == base.keys()
+    for k in base:
+        p = k[:-len("weight")]
+        want = base[k] + 8 / 4 * final[p + "lora_B"] @ final[p + "lora_A"] if p + "lora_A" in final else base[k]
+        torch.testing.assert_close(merged[k], want, rtol=0, atol=1e-6)
+    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    ids = torch.tensor([[20, 5, 6, 13, 7, 8, 15]])
+    assert model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False).shape == (1, 11)
 
 
 def test_a_broken_weight_sync_stops_the_run_in_one_line(tmp_path):

@@ -81,8 +81,10 @@ def memory_plan(cfg, shape, nodes, gpus_per_node, gpu_gb, device="cuda", weight_
     b = 2 if device == "cuda" else 4            # bf16 compute on GPU
     GB = 1e9
     on_gpu = 0 if cfg.cpu_offload else 1
-    states = {"sharded fp32 parameters": 4 * P / W * on_gpu, "sharded fp32 gradients": 4 * P / W * on_gpu,
-              "sharded AdamW state (m, v)": 8 * P / W * on_gpu}
+    A = lora_params(shape, cfg.lora_rank)       # --lora-rank: only the adapters have gradients and AdamW state
+    T = A if cfg.lora_rank else P               # the trained parameters
+    states = {"sharded fp32 parameters" + (" (base + adapters)" if A else ""): 4 * (P + A) / W * on_gpu,
+              "sharded fp32 gradients": 4 * T / W * on_gpu, "sharded AdamW state (m, v)": 8 * T / W * on_gpu}
     if cfg.kl_coef:  # the frozen reference: sharded like the policy, in the compute dtype, no optimizer
         states[f"sharded reference ({'bf16' if b == 2 else 'fp32'}, --kl-coef)"] = b * P / W * on_gpu
     unit = max(h * h * 2 + 2 * h * kv * hd + 3 * h * i, V * h * (1 if tied else 2))  # a layer, or the root
@@ -100,21 +102,29 @@ def memory_plan(cfg, shape, nodes, gpus_per_node, gpu_gb, device="cuda", weight_
     rollout_peak = resident + vllm_total
     # load_hf_weights: vLLM is awake; each tensor arrives whole on every GPU (bf16), then its shard is kept
     biggest = max(V, i) * h                     # elements of the largest tensor: the embedding
-    load_peak = states["sharded fp32 parameters"] + vllm_total + biggest * 2
+    load_peak = 4 * (P + A) / W * on_gpu + vllm_total + biggest * 2
     rows = [(k, v) for k, v in states.items()] + [
         ("FSDP all-gathered layers (bf16)", gathered),
         (f"activations + logits, {tokens} tokens/micro-batch", acts),
         (f"vLLM weights (bf16, TP {cfg.tp_size})", vllm_weights), ("vLLM KV cache", kv_cache),
         ("peak while loading (the largest tensor whole)", load_peak), ("peak while training", train_peak),
-        ("peak while generating", rollout_peak)]
+        ("peak while generating", rollout_peak),
+        ("weight sync per step, into vLLM (bf16" + (", adapters merged" if A else "") + ")", 2 * P / cfg.tp_size)]
     gpu_fits = max(load_peak, train_peak, rollout_peak) <= gpu_gb * GB and kv_cache >= kv_per_token * seq
     if weight_file is None:
         weight_file = min(5 * GB, 2 * P)
     host, host_peak = host_plan(cfg, shape, P, W, gpus_per_node, weight_file)
     host_fits = host_peak <= cfg.plan_host_ram_gb * GB
-    return rows, {"params": P, "fits": gpu_fits and host_fits, "gpu_fits": gpu_fits, "host_fits": host_fits,
+    return rows, {"params": P, "adapters": A, "fits": gpu_fits and host_fits, "gpu_fits": gpu_fits, "host_fits": host_fits,
                   "kv_seqs": kv_cache / (kv_per_token * seq), "world": W, "host": host,
                   "host_peak": host_peak}
+
+
+def lora_params(shape, rank):
+    """Parameters of --lora-rank r's adapters: r (in + out) for each of a layer's q, k, v, o, gate, up, down."""
+    h, L, nh, kv, i, V, tied, hd = shape
+    q, k = nh * hd, kv * hd
+    return L * rank * ((h + q) + 2 * (h + k) + (q + h) + 2 * (h + i) + (i + h))
 
 
 # Assumed, not measured on a GPU: one rank's torch, CUDA context, vLLM and reward workers.
@@ -141,10 +151,11 @@ def host_plan(cfg, shape, P, W, gpus_per_node, weight_file):
     writers = min(g, math.ceil(P * save_b / file_b))
     base = g * HOST_GB_PER_RANK * GB
     ref = 2 * P / W * g if off and cfg.kl_coef else 0  # the offloaded bf16 reference (--kl-coef)
-    state = 16 * P / W * g + ref if off else 0  # fp32 params, grads, AdamW m and v
+    T = lora_params(shape, cfg.lora_rank) if cfg.lora_rank else P  # what trains: every weight, or the adapters
+    state = (4 * P + 12 * T) / W * g + ref if off else 0  # fp32 params, grads, AdamW m and v
     loading = base + (4 * P / W * g if off else 0) + weight_file
     training = base + state
-    dcp_staging = 0 if off else 12 * P / W * g
+    dcp_staging = 0 if off else (4 * P + 8 * T) / W * g
     export = writers * file_b + (g * biggest * save_b if off else 0)
     saving = base + state + max(dcp_staging, export)
     rows = [(f"rank processes, {g} x {HOST_GB_PER_RANK} GB (assumed)", base)]
@@ -174,7 +185,8 @@ def print_plan(cfg):
     shape = model_shape(cfg.model) if cfg.model else (128, 2, 2, 2, 512, 32, True, 64)
     g, file = cfg.plan_gpus_per_node, weight_file_bytes(cfg.model)
     rows, v = memory_plan(cfg, shape, cfg.plan_nodes, g, cfg.plan_gpu_gb, weight_file=file)
-    print(f"memory plan per GPU: {name} ({v['params'] / 1e9:.2f}B parameters) on {cfg.plan_nodes} node(s) x "
+    lora = f", LoRA rank {cfg.lora_rank}: {v['adapters'] / 1e6:.1f}M trained" if cfg.lora_rank else ""
+    print(f"memory plan per GPU: {name} ({v['params'] / 1e9:.2f}B parameters{lora}) on {cfg.plan_nodes} node(s) x "
           f"{g} GPUs of {cfg.plan_gpu_gb:g} GB, max length {cfg.max_prompt_len}+{cfg.max_response_len}")
     for k, x in rows:
         print(f"  {k:48s} {x / 1e9:8.2f} GB")
