@@ -1726,7 +1726,7 @@ def log_step(run, step, m, every, samples, lr, ticks, evals):
               "entropy/generated": m.pop("gen/nll") / max(1, m.pop("gen/tokens")),
               "time/update": sync - update, "time/sync": end - sync, "time/step": end - start,
               "tokens/s": (sum(lens) + sum(len(s["prompt_ids"]) for s in every)) / (end - start),
-              "mem/peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, **evals})
+              "mem/peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, **evals})
     if rank() == 0:
         run.logs["metrics"].write(json.dumps(m) + "\n")
         run.logs["metrics"].flush()

@@ -441,7 +441,8 @@ def _gradient(model_dir, device, micro_batch_size, micro_batch_tokens=0, grad_ch
     variants=1: {name: gradient} for every --loss variant, each with its preset, then each of KNOBS
     (vLLM's log-probs, the reference's and π_θold's entropies are made up, a little off π_θold).
     one_row=1: every sequence of a micro-batch in one row, the layout flex/flash attention get on GPU.
-    lora=1: --lora-rank 4, its B random (B = 0 would give A no gradient)."""
+    lora=1: --lora-rank 1 --lora-alpha 1, its B random (B = 0 would give A no gradient); on 2 ranks each A
+    (1 x in) is one rank's whole and the other's empty shard."""
     import random
     if padded:
         dapo.collate, dapo.forward_logprobs = _padded_collate, _padded_forward_logprobs
@@ -458,7 +459,7 @@ def _gradient(model_dir, device, micro_batch_size, micro_batch_tokens=0, grad_ch
     dapo.collate = recording
     cfg = dapo.Config(micro_batch_size=micro_batch_size, num_mini_batches=1, logprob_chunk=3, max_response_len=16,
                       overlong_filtering=True, micro_batch_tokens=micro_batch_tokens,
-                      grad_checkpointing=bool(grad_checkpointing), lora_rank=4 if lora else 0)
+                      grad_checkpointing=bool(grad_checkpointing), lora_rank=1 if lora else 0, lora_alpha=1.0)
     torch.manual_seed(0)
     model = dapo.load_policy(cfg, model_dir, device)
     print("use_cache", model.config.use_cache)
@@ -2570,8 +2571,9 @@ def test_gradient_2_ranks_x_2_micro_batches_equals_1_process(tiny_model, tmp_pat
 
 
 def test_lora_gradient_2_ranks_x_2_micro_batches_equals_1_process(tiny_model, tmp_path):
-    """--lora-rank 4: for every --loss and knob, only the adapters (B A of every linear layer of the decoder) have a
-    gradient, and 2 ranks x 2 micro-batches give the 1-process gradient within GRAD_RTOL, as without LoRA."""
+    """--lora-rank 1: for every --loss and knob, only the adapters (B A of every linear layer of the decoder) have a
+    gradient, and 2 ranks x 2 micro-batches give the 1-process gradient within GRAD_RTOL, as without LoRA (rank 1
+    of 2 holds an empty shard of each A)."""
     (v1, _), (v2, _) = (_grads(tiny_model, tmp_path, 8, 0, 0, 0, 1, 0, 1),
                         _grads(tiny_model, tmp_path, 2, 0, 0, 0, 1, 0, 1, nproc=2))
     assert list(v1) == list(v2) == list(dapo.LOSSES) + list(KNOBS)
@@ -2880,8 +2882,8 @@ def test_memory_plan_matches_measured_peak():
 
 def test_memory_plan_counts_what_lora_saves(capsys):
     """--lora-rank: the planner keeps the fp32 base and adds the adapters, r (in + out) per linear layer of the
-    decoder, and counts gradients and AdamW state for the adapters alone; the weight sync pushes the merged
-    weights, as many bytes as without LoRA. Qwen2.5-7B on one 80 GB GPU (vLLM's share 0.5): with LoRA 64 it fits,
+    decoder, and counts gradients and AdamW state for the adapters alone, and no --kl-coef reference; the weight
+    sync pushes the merged weights, as many bytes as without LoRA. Qwen2.5-7B on one 80 GB GPU (vLLM's share 0.5): with LoRA 64 it fits,
     without it not (the full AdamW state alone is 61 GB)."""
     shape = plan.model_shape("Qwen2.5-7B")
     h, L, nh, kv, i, V, tied, hd = shape
@@ -2897,6 +2899,10 @@ def test_memory_plan_counts_what_lora_saves(capsys):
     assert lo["sharded fp32 gradients"] == 4 * A and lo["sharded fp32 parameters (base + adapters)"] == 4 * (P + A)
     sync = [k for k in lo if k.startswith("weight sync")]
     assert lo[sync[0]] == f[[k for k in f if k.startswith("weight sync")][0]] == 2 * P
+    # --kl-coef under LoRA: the reference is the policy with its adapters off, no second model to hold
+    refs = [[k for k, _ in plan.memory_plan(dataclasses.replace(c, kl_coef=0.001), shape, 1, 1, 80.0)[0]
+             if "reference" in k] for c in (full, lora)]
+    assert len(refs[0]) == 1 and refs[1] == []
     print(f"Qwen2.5-7B on one 80 GB GPU: full {v_full['fits']} (training peak {f['peak while training'] / 1e9:.1f} GB), "
           f"LoRA 64 ({A / 1e6:.0f}M adapters) {v_lora['fits']} ({lo['peak while training'] / 1e9:.1f} GB)")
     assert v_lora["gpu_fits"] and not v_full["gpu_fits"]
@@ -3961,12 +3967,13 @@ def test_imports_run_one_way():
 
 def test_ladder_report_compares_per_step_and_per_response(tmp_path, capsys):
     """The report on two synthetic rungs: the later rung reaches the first rung's final accuracy
-    in fewer steps but, generating 3x per step, not in fewer responses."""
+    in fewer steps but, generating 3x per step, not in fewer responses; it reports the responses generated
+    per trained group (32 per step) and the median step time."""
     import argparse
     sys.path.insert(0, os.path.join(HERE, "tools"))
     import ladder
     before = {"eval/avg@4": 0.2, **{f"eval/avg@4/d{n}": 0.2 for n in range(1, 6)}}
-    for rung, (per_step, gain) in {0: (256, 0.01), 5: (768, 0.03)}.items():
+    for rung, (per_step, gain, secs) in {0: (256, 0.01, 2.0), 5: (768, 0.03, 5.0)}.items():
         for seed in (0, 1):
             d = tmp_path / f"rung{rung}" / f"seed{seed}"
             d.mkdir(parents=True)
@@ -3974,7 +3981,7 @@ def test_ladder_report_compares_per_step_and_per_response(tmp_path, capsys):
                 for step in range(1, 21):
                     m = {"step": step, "gen/responses": per_step, "entropy/generated": 0.1,
                          "len/truncated_frac": 0.0, "filter/kept_frac": 0.5, "batch/effective_groups": 8,
-                         "clip/high_frac": 0.0, "clip/low_frac": 0.0}
+                         "clip/high_frac": 0.0, "clip/low_frac": 0.0, "time/step": secs + (step % 3 == 0) * 9}
                     if step % 5 == 0:
                         m.update({k: round(0.2 + gain * step, 3) for k in before})
                     f.write(json.dumps(m) + "\n")
@@ -3992,6 +3999,8 @@ def test_ladder_report_compares_per_step_and_per_response(tmp_path, capsys):
     assert grpo["steps to naive GRPO's final"] == "20 (2/2)" and full["steps to naive GRPO's final"] == "10 (2/2)"
     assert float(grpo["responses to it"]) == 20 * 256 and float(full["responses to it"]) == 10 * 768
     assert grpo["at its responses"] == "0.400" and full["at its responses"] == "0.350"   # DAPO's step 5: 0.35
+    assert grpo["responses per trained group"] == "8.00" and full["responses per trained group"] == "24.00"
+    assert grpo["s/step"] == "2.00" and full["s/step"] == "5.00"   # the median: a slow step in 3 does not move it
 
 
 # How the project was made, which no user can follow. Each pattern, case-insensitive, on one line:

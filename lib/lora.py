@@ -14,6 +14,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from lib.check_data import InputError
+
 OFF = [False]  # adapters_off(): the base model alone, for --kl-coef's reference
 
 
@@ -40,6 +42,9 @@ def add_adapters(model, rank, alpha):
             m.lora_scale = alpha / rank
             m.__class__ = LoRALinear
             names.append(f"model.layers.{name}")
+    if not names:
+        raise InputError("--lora-rank: the model has no nn.Linear in model.model.layers to adapt; "
+                         "train it without --lora-rank")
     return names
 
 
@@ -63,7 +68,9 @@ def init_adapters(model, seed):
 
 @contextlib.contextmanager
 def adapters_off():
-    """The base model alone inside this block (--kl-coef's reference: the initial policy)."""
+    """The base model alone inside this block (--kl-coef's reference: the initial policy). No gradient: a
+    checkpointed layer recomputed in backward would read the flag as it is then."""
+    assert not torch.is_grad_enabled()
     OFF[0] = True
     try:
         yield
@@ -78,8 +85,8 @@ def full_weight(state_dict, name, gather, dtype, scale):
     prefix = name[:-len("weight")]
     if not name.endswith(".weight") or prefix + "lora_A" not in state_dict:
         return gather(state_dict[name], dtype)
-    a, b = (gather(state_dict[prefix + k], torch.float32) for k in ("lora_A", "lora_B"))
-    return (gather(state_dict[name], dtype).float() + (b @ a) * scale).to(dtype)
+    a, b, w = (gather(state_dict[prefix + k], torch.float32) for k in ("lora_A", "lora_B", "weight"))
+    return torch.addmm(w, b, a, alpha=scale).to(dtype)   # not in place: w may be the parameter itself
 
 
 def is_adapter(name):

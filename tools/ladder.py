@@ -155,9 +155,9 @@ def report(args):
     last = lambda r, k: statistics.mean(m[k] for m in r["metrics"][-args.tail:])  # late-training mean
     table = [f"| rung | paper AIME24 | held-out avg@4 (mean ± sd) | short d1-d3 | long d4-d5 | "
              f"steps to {entries(args)[base][0]}'s final ({grpo_final:.3f}) | responses to it | at its responses | "
-             f"entropy | truncated | kept | effective groups | responses/step | responses per trained group | "
+             f"entropy | truncated | kept | effective groups | responses/step | responses per trained group | s/step | "
              f"clip lo / hi |" + (" its own statistic |" if args.variants else ""),
-             "|" + "---|" * (16 if args.variants else 15)]
+             "|" + "---|" * (17 if args.variants else 16)]
     for i, rs in sorted(runs.items()):
         name, paper = entries(args)[i][:2]
         reach = [first_reach(curve(r), grpo_final) for r in rs]
@@ -177,6 +177,7 @@ def report(args):
             f"| {statistics.mean(last(r, 'batch/effective_groups') for r in rs):.1f} "
             f"| {statistics.mean(last(r, 'gen/responses') for r in rs):.0f} "
             f"| {statistics.mean(waste(r) for r in rs):.2f} "
+            f"| {statistics.mean(statistics.median(m['time/step'] for m in r['metrics']) for r in rs):.2f} "
             f"| {100 * statistics.mean(last(r, 'clip/low_frac') for r in rs):.3f}% / "
             f"{100 * statistics.mean(last(r, 'clip/high_frac') for r in rs):.3f}% |"
             + (" " + ", ".join(f"{k} {statistics.mean(last(r, k) for r in rs):.3g}" for k in OWN

@@ -85,7 +85,7 @@ def memory_plan(cfg, shape, nodes, gpus_per_node, gpu_gb, device="cuda", weight_
     T = A if cfg.lora_rank else P               # the trained parameters
     states = {"sharded fp32 parameters" + (" (base + adapters)" if A else ""): 4 * (P + A) / W * on_gpu,
               "sharded fp32 gradients": 4 * T / W * on_gpu, "sharded AdamW state (m, v)": 8 * T / W * on_gpu}
-    if cfg.kl_coef:  # the frozen reference: sharded like the policy, in the compute dtype, no optimizer
+    if cfg.kl_coef and not cfg.lora_rank:  # the frozen reference (with LoRA: the policy, adapters off), sharded
         states[f"sharded reference ({'bf16' if b == 2 else 'fp32'}, --kl-coef)"] = b * P / W * on_gpu
     unit = max(h * h * 2 + 2 * h * kv * hd + 3 * h * i, V * h * (1 if tied else 2))  # a layer, or the root
     gathered = 2 * unit * b                     # FSDP all-gathers one unit (and prefetches the next)
@@ -109,7 +109,9 @@ def memory_plan(cfg, shape, nodes, gpus_per_node, gpu_gb, device="cuda", weight_
         (f"vLLM weights (bf16, TP {cfg.tp_size})", vllm_weights), ("vLLM KV cache", kv_cache),
         ("peak while loading (the largest tensor whole)", load_peak), ("peak while training", train_peak),
         ("peak while generating", rollout_peak),
-        ("weight sync per step, into vLLM (bf16" + (", adapters merged" if A else "") + ")", 2 * P / cfg.tp_size)]
+        # every rank streams the full tensors (a tied lm_head as well: state_dict has it), its vLLM keeps its TP part
+        ("weight sync per step, streamed by each rank (bf16" + (", adapters merged" if A else "") + ")",
+         2 * (P + (V * h if tied else 0)))]
     gpu_fits = max(load_peak, train_peak, rollout_peak) <= gpu_gb * GB and kv_cache >= kv_per_token * seq
     if weight_file is None:
         weight_file = min(5 * GB, 2 * P)
@@ -150,7 +152,7 @@ def host_plan(cfg, shape, P, W, gpus_per_node, weight_file):
     file_b = min(max(cfg.hf_shard_gb * GB, biggest * save_b), P * save_b)  # one file of the export
     writers = min(g, math.ceil(P * save_b / file_b))
     base = g * HOST_GB_PER_RANK * GB
-    ref = 2 * P / W * g if off and cfg.kl_coef else 0  # the offloaded bf16 reference (--kl-coef)
+    ref = 2 * P / W * g if off and cfg.kl_coef and not cfg.lora_rank else 0  # the offloaded bf16 reference
     T = lora_params(shape, cfg.lora_rank) if cfg.lora_rank else P  # what trains: every weight, or the adapters
     state = (4 * P + 12 * T) / W * g + ref if off else 0  # fp32 params, grads, AdamW m and v
     loading = base + (4 * P / W * g if off else 0) + weight_file
