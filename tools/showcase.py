@@ -1,8 +1,8 @@
 """
 showcase.py: the laptop showcase on several seeds. tools/real_model.py's SmolLM2-135M-Instruct learns
 examples/fewshot_addition.py's 2-digit sums with dapo.py's laptop preset: the README's command, once per
-seed. Then the report (held-out avg@4 before -> after, minutes, a step's time split) and docs/real-model.png
-(held-out and training accuracy by step; needs matplotlib).
+seed. Then the report (held-out avg@4 before -> after, minutes, a step's time split, peak RSS, the bytes
+pushed into vLLM per step) and docs/real-model.png (held-out and training accuracy by step; needs matplotlib).
 
     python tools/showcase.py                           # seeds 0 1 2 (~45 minutes on 2 CPU cores)
     python tools/showcase.py --report                  # the report and the plot only, from runs/showcase
@@ -71,14 +71,16 @@ def report(args):
     if not runs:
         sys.exit(f"no finished run under {args.root}: run the showcase first")
     print(f"| seed | held-out avg@4 before -> after | gain | training (sum of steps) | whole command | "
-          f"median step: generation + scoring / update / sync |\n|---|---|---|---|---|---|")
+          f"median step: generation + scoring / update / sync | peak RSS | synced per step |\n"
+          f"|---|---|---|---|---|---|---|---|")
     for seed, r in runs.items():
         m, e = r["metrics"], r["evals"]
         med = lambda k: statistics.median(x[k] for x in m)  # noqa: E731
         print(f"| {seed} | {e['before'][KEY]:.3f} -> {e['after'][KEY]:.3f} | "
               f"{100 * (e['after'][KEY] - e['before'][KEY]):+.1f} pts | {sum(x['time/step'] for x in m) / 60:.1f} min "
               f"({len(m)} steps) | {r['wall_s'] / 60:.1f} min | {med('time/step'):.1f} s: "
-              f"{med('time/rollout') + med('time/reward'):.1f} / {med('time/update'):.1f} / {med('time/sync'):.2f} s |")
+              f"{med('time/rollout') + med('time/reward'):.1f} / {med('time/update'):.1f} / {med('time/sync'):.2f} s | "
+              f"{max(x.get('mem/peak_rss_gb', 0) for x in m):.1f} GB | {med('sync/bytes') / 1e6 if 'sync/bytes' in m[0] else 0:.0f} MB |")
     plot(args, runs)
 
 
