@@ -3743,16 +3743,17 @@ def test_end_to_end_carry_task_reports_each_level(tmp_path):
 
 
 def test_end_to_end_torchrun_2_ranks(tmp_path):
-    """Also the token-budget path through the real update_policy: with a budget of 40 real tokens
-    the ranks pack different numbers of micro-batches, and the one with fewer runs zero-weight
-    padding micro-batches, whose empty log-probs the sync gap's statistics must skip. --carry-surplus: a group
+    """Also the token-budget path through the real update_policy: with a budget of 56 real tokens the ranks pack
+    different numbers of micro-batches in most steps (how many depends on the sampled lengths: 4 steps, so that
+    some step has them), and the one with fewer runs zero-weight padding micro-batches, whose empty log-probs
+    the sync gap's statistics must skip. --carry-surplus: a group
     carried to the next step keeps its tokens on the rank that generated it until it is trained. Then the 2
     ranks' checkpoint resumes in 1 process, as load_checkpoint's docstring claims, its carried surplus too."""
     carry = ["--carry-surplus", "--gen-batch-size", "48"]   # ~24 groups pass of 48: a surplus most steps
-    out = _torchrun(2, "dapo.py", *E2E_ARGS, "--steps", "3", "--micro-batch-tokens", "40", *carry,
+    out = _torchrun(2, "dapo.py", *E2E_ARGS, "--steps", "4", "--micro-batch-tokens", "56", *carry,
                     "--out-dir", str(tmp_path), timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
-    _check_run(str(tmp_path), out.stdout)
+    _check_run(str(tmp_path), out.stdout, steps=4)
     padding = [json.loads(line)["update/padding_micro_batches"] for line in open(tmp_path / "metrics.jsonl")]
     print(f"padding micro-batches per step (both ranks): {padding}")
     assert sum(padding) > 0
@@ -3762,16 +3763,16 @@ def test_end_to_end_torchrun_2_ranks(tmp_path):
                "from vllm.distributed.parallel_state import model_parallel_is_initialized\n"
                "assert not model_parallel_is_initialized()  # vLLM's groups are gone\n"
                "dapo.exit_now(0)  # the interpreter's own teardown is not under test\n")
-    saved = json.load(open(tmp_path / "checkpoints" / "step_000003" / "state.json"))["carried"]
-    out = _run([sys.executable, "-c", library, *E2E_ARGS, "--steps", "4", "--micro-batch-tokens", "40", "--resume",
+    saved = json.load(open(tmp_path / "checkpoints" / "step_000004" / "state.json"))["carried"]
+    out = _run([sys.executable, "-c", library, *E2E_ARGS, "--steps", "5", "--micro-batch-tokens", "56", "--resume",
                 *carry, "--out-dir", str(tmp_path)], timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
-    assert "resumed from" in out.stdout and "step 3" in out.stdout
+    assert "resumed from" in out.stdout and "step 4" in out.stdout
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["sync/logp_diff_max"] < 1e-4
-    print(f"carried groups per step: {[r['filter/carried'] for r in rows]}; in step 3's checkpoint: {len(saved)}")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and rows[-1]["sync/logp_diff_max"] < 1e-4
+    print(f"carried groups per step: {[r['filter/carried'] for r in rows]}; in step 4's checkpoint: {len(saved)}")
     assert sum(r["filter/carried"] for r in rows) > 0                        # the buffer worked across steps
-    assert rows[3]["filter/carried"] == min(len(saved), 16)                  # and the resume took step 3's
+    assert rows[4]["filter/carried"] == min(len(saved), 16)                  # and the resume took step 4's
 
 
 def test_end_to_end_torchrun_tensor_parallel_2(tmp_path):
