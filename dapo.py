@@ -1187,7 +1187,9 @@ def check_sync(run, plan):
         raise DapoError(f"step {run.step}: vLLM's log-probs of the sampled tokens differ from the trainer's by "
                         f"{gap:.3g} nats on average (--max-sync-diff {limit}), before its update: the weight "
                         f"sync looks broken (a tensor mis-sharded, stale or lost in a sleep/wake cycle), or vLLM "
-                        f"and transformers differ on this model; run tools/gpu_check.py, or raise the limit")
+                        f"and transformers differ on this model; run tools/gpu_check.py, or raise the limit"
+                        + (" (with --lora-rank in bf16, a gap up to ~0.12 in the first steps is vLLM's bf16 copy "
+                           "rounding away the adapters' small updates: docs/real-model.md)" if run.cfg.lora_rank else ""))
     return sync
 
 
