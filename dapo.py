@@ -94,7 +94,7 @@ class Config:
     #  {>= 1: verl's 0 = no limit would loop forever on data the model never solves: give a large number}
     max_prompt_len: int = 2048       # longer prompts are dropped at load time {>= 1}
     max_response_len: int = 20480    # L_max (Eq. 13): generation stops here (truncated) {>= 1}
-    temperature: float = 1.0         # sampling temperature for training rollouts {> 0}
+    temperature: float = 1.0         # sampling temperature for training rollouts {[0.01, 2]: vLLM's range}
     top_p: float = 1.0               # top-p of training rollouts: 1 (old log-probs ignore a cut) {(0, 1]}
     # DAPO techniques (each one flag; the paper's Table 1 is a set of command lines)
     eps_low: float = 0.2             # ε_low (Eq. 10) {(0, 1]}
@@ -115,6 +115,10 @@ class Config:
     #  (leave-one-out): ADV_ESTIMATORS
     sapo_tau_pos: float = 1.0        # --loss sapo: the soft gate's temperature τ_pos where A > 0 {> 0}
     sapo_tau_neg: float = 1.05       # --loss sapo: τ_neg, where A <= 0 {> 0}
+    dppo_anchor: str = "rollout"     # --loss dppo_*: the trust region's centre: rollout (π_rollout, the authors'
+    #  dppo_binary_*) or recompute (π_θold, their *_recompute); the ratio is π_θ / π_rollout either way
+    dppo_ratio_cap: float = 10.0     # --loss dppo_*: c, the ratio's truncation (the authors' loss; verl's actor
+    #  config: 3) {> 0}
     kl_coef: float = 0.0             # β: GRPO's k3 KL penalty to the frozen initial policy (DAPO drops it,
     #  Sec. 2.3); 0 = off, no reference model loaded
     top_entropy_quantile: float = 1.0  # ρ: only the mini-batch's top-ρ entropy tokens carry the policy
@@ -163,7 +167,7 @@ class Config:
     seed: int = 0                    # everything random derives from this (>= 0)
     eval_every: int = 0              # evaluate every N rollout steps; 0 = only before and after
     eval_samples: int = 4            # k of avg@k on the held-out set; 0 = no evaluation
-    eval_temperature: float = 1.0    # the paper's evaluation sampling {> 0}
+    eval_temperature: float = 1.0    # the paper's evaluation sampling {[0.01, 2]: vLLM's range}
     eval_top_p: float = 0.7          # the paper's evaluation sampling {(0, 1]}
     eval_max_prompts: int = 0        # evaluate on at most this many held-out prompts; 0 = all
     save_every: int = 0              # checkpoint every N rollout steps; 0 = only at the end
@@ -173,7 +177,8 @@ class Config:
     log_samples: int = 4             # sampled responses per step written to samples.jsonl; 0 = none
     wandb_project: str = ""          # log to Weights & Biases under this project (needs `pip install wandb`)
     demo_sft_target: float = 0.3     # demo only: the warm-start's target accuracy; 0 = none {[0, 1]}
-    save_dtype: str = "bfloat16"     # dtype of the checkpoints' HF export: bfloat16 or float32
+    save_dtype: str = ""             # dtype of the checkpoints' HF export: bfloat16 or float32; "" = bfloat16, and
+    #  float32 with --lora-rank (bf16 would round away the merged adapters' updates below half a bf16 step of W)
     hf_shard_gb: float = 5.0         # largest safetensors file of the Hugging Face export, GB {> 0}
 
 
@@ -198,8 +203,10 @@ LOSSES = {"dapo": {},
           "cispo": dict(preset=dict(eps_low=1.0), ignores=("dual_clip",)),
           "dr_grpo": dict(preset=dict(eps_high=0.2, adv_estimator="dr_grpo"), ignores=("token_level_loss",)),
           "sapo": dict(ignores=("eps_low", "eps_high", "dual_clip", "token_level_loss")),
-          "dppo_tv": dict(preset=dict(eps_low=0.15, eps_high=0.15), ignores=("dual_clip",)),
-          "dppo_kl": dict(preset=dict(eps_low=0.05, eps_high=0.05), ignores=("dual_clip",)),
+          "dppo_tv": dict(preset=dict(eps_low=0.15, eps_high=0.15), ignores=("dual_clip",),
+                          own=("dppo_anchor", "dppo_ratio_cap")),
+          "dppo_kl": dict(preset=dict(eps_low=0.05, eps_high=0.05), ignores=("dual_clip",),
+                          own=("dppo_anchor", "dppo_ratio_cap")),
           "gmpo": dict(preset=dict(eps_low=0.4, eps_high=0.4), ignores=("dual_clip", "token_level_loss"))}
 # --adv-estimator: how a group's rewards become advantages (group_advantages). GRPO's Eq. 9 divides by the
 # group's std; Dr. GRPO (Liu et al. 2025) drops the std; RLOO (Kool et al. 2019, Ahmadian et al. 2024) takes
@@ -208,8 +215,8 @@ ADV_ESTIMATORS = {"grpo": "(R - mean) / std (Eq. 9)", "dr_grpo": "R - mean", "rl
 # Choice flags and their names: check_config refuses any other, so a new entry in a table needs nothing else.
 CHOICES = dict(task=("add", "carry"), loss=LOSSES, adv_estimator=ADV_ESTIMATORS,
                tis_mode=("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
-               attn_impl=("", "flex_attention", "flash_attention_2", "sdpa"), save_dtype=("bfloat16", "float32"),
-               precision=("", "bf16", "fp32"))
+               attn_impl=("", "flex_attention", "flash_attention_2", "sdpa"), save_dtype=("", "bfloat16", "float32"),
+               precision=("", "bf16", "fp32"), dppo_anchor=("rollout", "recompute"))
 # The laptop preset: tools/real_model.py's SmolLM2-135M-Instruct (its config says so) on 2 CPU cores, for
 # short answers (examples/fewshot_addition.py's sums learn with it in ~10 minutes); bf16 where the CPU has
 # bf16 instructions (twice as fast as fp32 there, and it learns as well: docs/real-model.md).
@@ -230,6 +237,7 @@ LAPTOP = dict(max_prompt_len=256, max_response_len=32, overlong_cache_len=8, pro
 #   score, success         --reward (Eq. 7: ±1 and the verdict; a reward of one's own: any number, and
 #                          whether it counts as a success, for acc/mean, avg@k and pass@k)
 #   answer, metrics        --reward, where it gives them: what the response answered (maj@k); score/<name>
+#   failed                 --reward raised, crashed, overran or returned garbage (its score: the group's lowest)
 #   reward                 train: the score plus Eq. 13's penalty (shape_rewards)
 #   adv                    set_advantages: A_i (Eq. 9, or --adv-estimator's)
 #   trained                overlong_filtering (Sec. 3.4): False masks the sample's loss
@@ -265,12 +273,14 @@ def overlong_penalty(lengths, max_len, cache_len):
     return torch.where(lengths > max_len, torch.full_like(lengths, -1.0), soft.clamp(max=0.0))
 
 
-def dynamic_sampling_mask(scores, group_size):
+def dynamic_sampling_mask(scores, group_size, rtol=1e-4):
     """Eq. 11's 0 < |{o_i : is_equivalent(a, o_i)}| < G on the rewards before Eq. 13 (whose length penalty
-    would set apart almost any group): the groups whose rewards are not all equal, which for ±1 is exactly
-    Eq. 11 and for a graded reward the groups with a spread (as verl's). (B,) -> (B // G,) bool."""
-    r = scores.view(-1, group_size)
-    return (r != r[:, :1]).any(1)
+    would set apart almost any group): the groups whose rewards differ, which for ±1 is exactly Eq. 11 and
+    for a graded reward the groups with a spread (as verl's). A spread of at most rtol times the largest
+    |reward| of the batch is float noise, not a spread: Eq. 9 would blow it up to full-size advantages.
+    (B,) -> (B // G,) bool."""
+    r = scores.view(-1, group_size).float()
+    return r.amax(1) - r.amin(1) > rtol * scores.abs().max()
 
 
 # The objective per token. ratio: (B, T), r_t = π_θ / π_θold; adv: (B, 1). Each returns the token
@@ -283,11 +293,13 @@ def dapo_token_loss(ratio, adv, eps_low, eps_high):
     return loss, (ratio < 1 - eps_low) & (adv < 0), (ratio > 1 + eps_high) & (adv > 0)
 
 
-def gspo_token_loss(log_ratio, mask, adv, eps_low, eps_high):
-    """GSPO (Zheng et al. 2025, Eq. 5-7): one ratio per sequence, s_i = exp(mean_t log r_t), clipped
-    whole by Eq. 10's clip: every token of a clipped sequence binds."""
+def gspo_token_loss(logp, log_ratio, mask, adv, eps_low, eps_high):
+    """GSPO (Zheng et al. 2025, GSPO Eq. 5-7): one ratio per sequence, s_i = exp(mean_t log r_t), clipped
+    whole by Eq. 10's clip: every token of a clipped sequence binds. As verl's, each token carries it as
+    s_i,t = sg[s_i] π_θ / sg[π_θ]: the value s_i, and the gradient of its own token alone (the same sum),
+    so that a token selection (--top-entropy-quantile) holds."""
     seq = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
-    return dapo_token_loss(torch.exp(seq).expand_as(log_ratio), adv, eps_low, eps_high)
+    return dapo_token_loss(torch.exp(seq.detach() + logp - logp.detach()), adv, eps_low, eps_high)
 
 
 def cispo_token_loss(ratio, logp, adv, eps_low, eps_high):
@@ -306,30 +318,41 @@ def sapo_token_loss(ratio, adv, tau_pos, tau_neg):
     return -gate * (4 / tau) * adv, faded & (ratio < 1), faded & (ratio > 1)
 
 
-def dppo_token_loss(ratio, logp, old_logp, adv, eps_low, eps_high, kind):
-    """DPPO (arXiv 2602.04879; verl's dppo_tv and dppo_kl): -sg(r) A log π_θ, the policy gradient
-    importance-weighted, kept where the sampled token stays in a trust region measured on its probability,
-    not on r. Only the side A pushes is bounded. tv: π_θ - π_θold up to ε_high (A > 0), down to -ε_low;
-    kl: the KL between Bernoulli(π_θold) and Bernoulli(π_θ) up to ε_high / ε_low. clip/*: where it binds."""
-    p, q = torch.exp(logp.detach()), torch.exp(old_logp)
+def dppo_token_loss(logp, rollout_logp, anchor_logp, adv, eps_low, eps_high, kind, cap):
+    """DPPO (arXiv 2602.04879; the authors' Stable-RL code, and verl's dppo_tv and dppo_kl): the policy
+    gradient -sg(min(π_θ / π_rollout, c)) A log π_θ, truncated at c, kept where the sampled token's
+    probability stays in a trust region around the anchor (π_rollout, the authors' default, or π_θold, their
+    *_recompute variants), measured on the probability, not on r. Only the side A pushes is bounded. tv:
+    π_θ - π_anchor up to ε_high (A > 0), down to -ε_low; kl: the KL between Bernoulli(π_anchor) and
+    Bernoulli(π_θ) up to ε_high / ε_low. clip/*: where the region binds."""
+    weight = torch.exp((logp.detach() - rollout_logp).clamp(max=20.0)).clamp(max=cap)
+    p, q = torch.exp(logp.detach()), torch.exp(anchor_logp)
     if kind == "tv":
         out_up, out_down = p - q > eps_high, p - q < -eps_low
     else:  # the binary KL, with verl's 1e-8 guarding log(0)
-        kl = q * (old_logp - logp.detach()) + (1 - q) * torch.log((1 - q + 1e-8) / (1 - p + 1e-8))
+        kl = q * (anchor_logp - logp.detach()) + (1 - q) * torch.log((1 - q + 1e-8) / (1 - p + 1e-8))
         out_up, out_down = (kl > eps_high) & (p > q), (kl > eps_low) & (p < q)
     high, low = out_up & (adv > 0), out_down & (adv <= 0)
-    return -adv * ratio.detach() * logp * ~(low | high), low, high
+    return -adv * weight * logp * ~(low | high), low, high
 
 
 def gmpo_token_loss(log_ratio, mask, adv, eps_low, eps_high):
     """GMPO (arXiv 2507.20673; verl's geo_mean): one ratio per sequence, the geometric mean of its token
     ratios, each token's log r clipped to [-ε_low, ε_high] on the side A pushes (a log-space clip: preset
-    0.4); -A exp(mean_t clipped log r), copied onto every token of the sequence."""
+    0.4); -A exp(mean_t clipped log r). As GSPO's, each token carries it with its own token's gradient
+    alone (sg[s_i] exp(log r_t - sg[log r_t]), 0 where clipped): the same sum, and a selection holds."""
     clipped = log_ratio.clamp(-eps_low, eps_high)
     kept = torch.where(adv > 0, torch.minimum(log_ratio, clipped), torch.maximum(log_ratio, clipped))
     seq = (kept * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
-    loss = (-adv * torch.exp(seq)).expand_as(log_ratio)
+    loss = -adv * torch.exp(seq.detach() + kept - kept.detach())
     return loss, (log_ratio < -eps_low) & (adv < 0), (log_ratio > eps_high) & (adv > 0)
+
+
+def geometric_mean(weight, mask):
+    """Per-token weights as one per sequence, their geometric mean (verl's GMPO: a sequence-level ratio
+    takes a sequence-level weight; weights 2 and 0.5 give 1). (B, T) -> (B, 1)."""
+    n = mask.sum(-1, keepdim=True).clamp(min=1)
+    return torch.exp((torch.log(weight + 1e-10) * mask).sum(-1, keepdim=True) / n)
 
 
 # How a mini-batch's token losses are averaged (loss_normaliser decides, once per mini-batch): per_sample,
@@ -338,30 +361,37 @@ def gmpo_token_loss(log_ratio, mask, adv, eps_low, eps_high):
 Normaliser = NamedTuple("Normaliser", [("per_sample", bool), ("n", float)])
 
 
-def policy_loss(logp, old_logp, advantages, mask, cfg, norm=None, weight=None, ref_logp=None):
+def policy_loss(logp, old_logp, advantages, mask, cfg, norm=None, weight=None, ref_logp=None, rollout_logp=None,
+                select=None):
     """The --loss objective over one micro-batch, as a loss to minimise. logp, old_logp, mask: (B, T);
     advantages: (B,); norm: a Normaliser (None: this batch's token mean); weight: detached per-token
-    factors; ref_logp: log π_ref for --kl-coef. Returns (loss, stats)."""
+    factors; ref_logp: log π_ref for --kl-coef; rollout_logp: vLLM's log-probs (DPPO; None: π_θold's);
+    select: 0/1 per token, the tokens that carry the policy loss (--top-entropy-quantile). Returns (loss, stats)."""
     log_ratio = torch.where(mask.bool(), logp - old_logp, 0.0)  # padding never reaches exp()
     log_ratio = log_ratio.clamp(-20.0, 20.0)  # as verl: a wild token cannot overflow exp()
     ratio = torch.exp(log_ratio)  # r_t = π_θ / π_θold, per token
     adv = advantages.unsqueeze(-1)  # A_i, on every token of sample i (Eq. 9)
     if cfg.loss == "gspo":
-        per_token, low, high = gspo_token_loss(log_ratio, mask, adv, cfg.eps_low, cfg.eps_high)
+        per_token, low, high = gspo_token_loss(logp, log_ratio, mask, adv, cfg.eps_low, cfg.eps_high)
     elif cfg.loss == "cispo":
         per_token, low, high = cispo_token_loss(ratio, logp, adv, cfg.eps_low, cfg.eps_high)
     elif cfg.loss == "sapo":
         per_token, low, high = sapo_token_loss(ratio, adv, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
     elif cfg.loss in ("dppo_tv", "dppo_kl"):
-        per_token, low, high = dppo_token_loss(ratio, logp, old_logp, adv, cfg.eps_low, cfg.eps_high, cfg.loss[5:])
+        rollout = old_logp if rollout_logp is None else rollout_logp
+        anchor = rollout if cfg.dppo_anchor == "rollout" else old_logp
+        per_token, low, high = dppo_token_loss(logp, rollout, anchor, adv, cfg.eps_low, cfg.eps_high, cfg.loss[5:],
+                                               cfg.dppo_ratio_cap)
     elif cfg.loss == "gmpo":
         per_token, low, high = gmpo_token_loss(log_ratio, mask, adv, cfg.eps_low, cfg.eps_high)
     else:  # DAPO (Clip-Higher, Eq. 10); Dr. GRPO
         per_token, low, high = dapo_token_loss(ratio, adv, cfg.eps_low, cfg.eps_high)
     if cfg.dual_clip:  # dual-clip PPO (the reference run's c = 10): an A < 0 token's loss is at most -c A
         per_token = torch.where(adv < 0, torch.minimum(per_token, -cfg.dual_clip * adv), per_token)
-    if weight is not None:
-        per_token = per_token * weight
+    if weight is not None:  # a sequence-level ratio takes one weight per sequence (GMPO, as verl's)
+        per_token = per_token * (geometric_mean(weight, mask) if cfg.loss == "gmpo" else weight)
+    if select is not None:
+        per_token = per_token * select
     if ref_logp is not None:  # GRPO's KL penalty (Sec. 2.3 drops it): k3, an estimate of KL(π_θ || π_ref)
         kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
         per_token = per_token + cfg.kl_coef * kl
@@ -421,6 +451,7 @@ def train(cfg):
         return evaluate(run, os.path.basename(run.path.rstrip("/")) or "model"), {}
     if not run.ckpt:
         run.state["first_eval"] = evaluate(run, "before")
+    last = None
     for step in progress(run):  # Part 2: the rollout steps left, with a progress bar
         ticks = [time.perf_counter()]
 
@@ -430,7 +461,8 @@ def train(cfg):
 
         # 1. Sample and filter (Eq. 11): generation batches until N groups are kept; shape every reward.
         kept, surplus, seen, metrics = collect_batch(generate, run.sampler, cfg, run.carried)
-        run.carried = carry(surplus) if cfg.carry_surplus else []  # Part 2: tokens stay where they are
+        if cfg.carry_surplus:  # Part 2: at most N // 2 groups; their tokens stay where they are
+            run.carried, metrics["filter/surplus_dropped"] = carry(surplus, cfg.prompts_per_step // 2)
         if cfg.skip_solved:  # prompts the model always solves leave the pool (Sampler.set_aside, Part 2)
             metrics["filter/set_aside"] = run.sampler.set_aside(set_aside_solved(run.solved, seen, cfg.skip_solved))
         generated = [s for g in seen for s in g]
@@ -453,14 +485,19 @@ def train(cfg):
         # 4. Push the new weights into vLLM (push_weights, Part 2).
         metrics["sync/bytes"] = push_weights(run)
         ticks.append(time.perf_counter())
-        # 5. Evaluate; log_step and save_checkpoint (Part 2) write the logs and the checkpoint.
+        # 5. Evaluate (the last step's is "after"); log_step and save_checkpoint (Part 2) write the logs and
+        # the checkpoint.
         evals = {}
-        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+        if step + 1 == cfg.steps:
+            evals = last = evaluate(run, "after")
+        elif cfg.eval_every and (step + 1) % cfg.eval_every == 0:
             evals = evaluate(run, f"step {step + 1}")
         log_step(run, step + 1, metrics, generated, samples, lr, ticks, evals)
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
             save_checkpoint(run, step + 1)
-    first, last = run.state["first_eval"], evaluate(run, "after")
+    first = run.state["first_eval"]
+    if last is None:  # resumed at the last step: no step ran
+        last = evaluate(run, "after")
     if first and last:
         key = f"eval/avg@{cfg.eval_samples}"
         print0(f"held-out accuracy: before {first[key]:.2f} -> after {last[key]:.2f}")
@@ -480,11 +517,14 @@ def sample_groups(run, rows, prompt_ids, idx, n, temperature, top_p, key):
     local = generate(run, [prompt_ids[idx[j]] for j in mine], n, temperature, top_p, key)  # Part 2: vLLM
     t1 = time.perf_counter()
     # Eq. 7 (R = ±1: is_equivalent(answer, truth)), or --reward's fn(response, row), under --reward-timeout
-    results, rstats = reward.score_batch([s["text"] for s in local], [rows[idx[j]] for j in mine for _ in range(n)],
-                                         cfg.reward, cfg.reward_timeout, cfg.reward_workers)
+    try:
+        results, rstats = reward.score_batch([s["text"] for s in local], [rows[idx[j]] for j in mine for _ in range(n)],
+                                             cfg.reward, cfg.reward_timeout, cfg.reward_workers, group_size=n)
+    except reward.RewardError as e:  # it stopped loading mid-run: no score can be trusted
+        raise DapoError(str(e))
     for s, r in zip(local, results):
         s["score"], s["success"] = r["reward"], r["success"]
-        s.update((k, r[k]) for k in ("answer", "metrics") if k in r)
+        s.update((k, r[k]) for k in ("answer", "metrics", "failed") if k in r)
     times = {"time/rollout": t1 - t0, "time/reward": time.perf_counter() - t1,
              "reward/timeouts": rstats["timeouts"], "reward/errors": rstats["errors"],
              "gen/tokens": sum(s["len"] for s in local),
@@ -504,13 +544,14 @@ def shape_rewards(samples, cfg):
 def collect_batch(sample_fn, sampler, cfg, carried=()):
     """Algorithm 1, lines 3-8: generation batches until N groups pass the dynamic-sampling filter, or until
     the batches left could not fill it at twice the keep rate so far. carried: the last step's surplus
-    (--carry-surplus), used first; a carried group keeps its rewards and so its advantages (Eq. 9 over its
-    own complete group): only π_θold, recomputed for every sample, is new. Returns (kept, surplus: the new
-    groups past N, seen: every generated group, stats). sample_fn(prompt indices, batch no) -> (groups, stats)."""
+    (--carry-surplus, fewer than N groups: carry), used first, after at least one generation batch; a carried
+    group keeps its rewards and so its advantages (Eq. 9 over its own complete group): only π_θold,
+    recomputed for every sample, is new. Returns (kept, surplus: the new groups past N, seen: every generated
+    group, stats). sample_fn(prompt indices, batch no) -> (groups, stats)."""
     G, N = cfg.group_size, cfg.prompts_per_step
     size = cfg.gen_batch_size if cfg.dynamic_sampling else N
     kept, seen, passed, times, b = list(carried), [], [], {}, 0
-    while len(kept) < N:
+    while b == 0 or len(kept) < N:  # at least one generation batch: every step is on-policy in part
         if b == cfg.max_gen_batches:
             raise too_few_groups(len(kept), seen, b, cfg)  # Part 2: the error, with what to change
         groups, t = sample_fn(sampler.take(size), b)
@@ -525,8 +566,8 @@ def collect_batch(sample_fn, sampler, cfg, carried=()):
         if len(kept) < N and len(kept) + 2 * (cfg.max_gen_batches - b) * size * sum(passed) / len(seen) < N:
             raise too_few_groups(len(kept), seen, b, cfg)
     stats = {"filter/kept_frac": sum(passed) / max(1, len(seen)), "filter/gen_batches": b,
-             "filter/carried": min(len(carried), N), **times}
-    return kept[:N], kept[max(N, len(carried)):], seen, stats
+             "filter/carried": len(carried), **times}
+    return kept[:N], kept[N:], seen, stats
 
 
 def set_aside_solved(record, seen, k):
@@ -582,21 +623,21 @@ def policy_gradient(model, mini, micros, cfg, pad_id, device, entropy_floor=None
         old = old_logp_of(mb, logp)  # Part 2: π_θold; the first mini-batch's is this pass, detached
         mask = batch["mask"] * torch.tensor([float(s["trained"]) for s in mb], device=device)[:, None]
         adv = torch.tensor([s["adv"] for s in mb], device=device)
-        factors = []  # per-token factors, each off by default (the paper's objective)
+        factors, st, chosen = [], {}, None  # per-token factors, each off by default (the paper's objective)
+        rollout = None  # vLLM's log-probs: what the corrections and DPPO read (Part 2: rows = lists, padded)
+        if cfg.tis_cap or cfg.off_policy_mask or cfg.loss.startswith("dppo"):
+            rollout = rows(mb, "vllm_logp", device)
         if cfg.tis_cap:  # correct for vLLM's sampling policy
-            factors.append(tis_weights(old, rows(mb, "vllm_logp", device), mask, cfg.tis_cap, cfg.tis_mode,
-                                       cfg.tis_min))
+            factors.append(tis_weights(old, rollout, mask, cfg.tis_cap, cfg.tis_mode, cfg.tis_min))
         if cfg.off_policy_mask:  # drop the negative samples far off-policy
-            factors.append(off_policy_mask(logp, rows(mb, "vllm_logp", device), adv[:, None], mask,
-                                           cfg.off_policy_mask))
+            factors.append(off_policy_mask(logp, rollout, adv[:, None], mask, cfg.off_policy_mask))
         if entropy_floor is not None:  # the mini-batch's top-ρ entropy tokens alone (π_θold's entropy)
             chosen = (rows(mb, "old_entropy", device) >= entropy_floor).float()
-            share = (chosen * mask).sum() / mask.sum().clamp(min=1)
-            factors.append((chosen, {"entropy/selected_frac": share}))
-        st = {k: v for _, f_stats in factors for k, v in f_stats.items()}
-        ref = rows(mb, "ref_logp", device) if cfg.kl_coef else None  # Part 2: rows = per-sample lists, padded
+            st["entropy/selected_frac"] = (chosen * mask).sum() / mask.sum().clamp(min=1)
+        st.update({k: v for _, f_stats in factors for k, v in f_stats.items()})
+        ref = rows(mb, "ref_logp", device) if cfg.kl_coef else None
         loss, loss_stats = policy_loss(logp, old, adv, mask, cfg, norm, math.prod(f for f, _ in factors)
-                                       if factors else None, ref)
+                                       if factors else None, ref, rollout, chosen)
         (loss * world()).backward()  # PLUMBING: FSDP2 averages gradients over ranks; Eq. 12 wants the sum
         n = mask.sum().item()
         st.update(loss_stats, entropy=(ent * mask).sum() / max(n, 1.0))
@@ -610,7 +651,7 @@ def update_policy(run, samples):
     cfg = run.cfg
     minis, plan = micro_batches(samples, cfg)  # Part 2: each mini-batch, and this rank's micro-batches
     totals, grad_norms, skipped = None, [], 0
-    with tf32_head(run.device):  # Part 2: on CUDA, the fp32 head as a TF32 GEMM (an exact forward)
+    with tf32_head(run.device, cfg):  # Part 2: on CUDA in bf16, the fp32 head as a TF32 GEMM (an exact forward)
         old_logprobs(run, plan)  # Part 2: π_θold before any update (and π_ref, π_θold's entropies)
         for mini, micros in zip(minis, plan):
             rho = cfg.top_entropy_quantile  # < 1: one threshold over every rank's tokens (all_entropies)
@@ -731,21 +772,34 @@ def parse_config(argv=None, cls=Config):
 
 def too_few_groups(kept, seen, batches, cfg):
     """collect_batch's error: dynamic sampling ran out of generation batches, or could not fill the
-    batch with those left even at twice the keep rate so far."""
-    n = torch.tensor([s["success"] for g in seen for s in g]).view(-1, cfg.group_size).sum(1)
-    n_all, n_none = int((n == cfg.group_size).sum()), int((n == 0).sum())
-    acc = n.sum().item() / (len(seen) * cfg.group_size)
+    batch with those left even at twice the keep rate so far. It counts in the reward's terms (the groups
+    whose G rewards were all equal, by that value), and names reward errors first where most responses were."""
+    from collections import Counter
+    G, samples = cfg.group_size, [s for g in seen for s in g]
+    mixed = dynamic_sampling_mask(torch.tensor([s["score"] for s in samples]), G).tolist()
+    uniform = Counter(g[0]["score"] for g, m in zip(seen, mixed) if not m)
+    said = ", ".join(f"{n} all scored {v:+.3g}" for v, n in uniform.most_common(3))
+    said += f", {len(uniform) - 3} other values" if len(uniform) > 3 else ""
+    n = torch.tensor([s["success"] for s in samples]).view(-1, G).sum(1)
+    easy = int((n == G).sum()) > int((n == 0).sum())
+    acc = n.sum().item() / len(samples)
+    failed = sum(s.get("failed", False) for s in samples)
+    cause = (f"{failed} of the {len(samples)} responses failed in the reward (reward/errors, reward/timeouts; its "
+             f"first error is printed above): fix the reward first. " if 2 * failed > len(samples) else "")
     left = cfg.max_gen_batches - batches
-    easy = n_all > n_none
-    early = (f", and the {left} left of --max-gen-batches {cfg.max_gen_batches} could not fill it even "
-             f"at twice this keep rate") if left else ""
+    more = f"--max-gen-batches {cfg.max_gen_batches}"
+    if not sum(mixed):  # no group passed: more batches at this keep rate would not help
+        why = f"; no group's rewards differed, so more generation batches would not fill it"
+        raise_ = "or raise --group-size"
+    else:
+        why = f", and the {left} left of {more} could not fill it even at twice this keep rate" if left else ""
+        raise_ = "or raise --group-size, --gen-batch-size or --max-gen-batches"
     return DapoError(
-        f"dynamic sampling kept only {kept} of {cfg.prompts_per_step} groups after {batches} generation "
-        f"batch{'es' if batches > 1 else ''} ({len(seen)} groups: {n_all} all correct, {n_none} all wrong; "
-        f"accuracy {acc:.1%}){early}. The data is too {'easy' if easy else 'hard'} for this model, or the "
-        f"group size G={cfg.group_size} is too small: use {'harder' if easy else 'easier'} data, pass "
-        f"--no-dynamic-sampling (to learn the answer format first), "
-        f"or raise --group-size, --gen-batch-size or --max-gen-batches (--resume takes each)")
+        f"{cause}dynamic sampling kept only {kept} of {cfg.prompts_per_step} groups after {batches} generation "
+        f"batch{'es' if batches > 1 else ''} ({len(seen)} groups: {said or 'none uniform'}, {sum(mixed)} with rewards "
+        f"that differ; accuracy {acc:.1%}){why}. The data is too {'easy' if easy else 'hard'} for this model, or "
+        f"the group size G={G} is too small: use {'harder' if easy else 'easier'} data, pass "
+        f"--no-dynamic-sampling (to learn the answer format first), {raise_} (--resume takes each)")
 
 
 # -----------------------------------------------------------------------------------------
@@ -762,7 +816,7 @@ def share_groups(local, idx, prompt_ids, n, times, tp):
     A TP group's first rank speaks for it; the others send a digest of their responses, which must equal
     their leader's."""
     dp_size = world() // tp
-    fields = ("score", "success", "answer", "metrics", "len", "truncated")
+    fields = ("score", "success", "answer", "metrics", "failed", "len", "truncated")
     meta = [{f: s[f] for f in fields if f in s} for s in local] if rank() % tp == 0 else []
     digest = hash(tuple(tuple(s["response_ids"]) for s in local))
     gathered, nbytes = all_gather_objects((meta, times, digest))
@@ -1234,14 +1288,15 @@ def packs_one_row(cfg):
 
 
 @contextlib.contextmanager
-def tf32_head(device):
-    """On CUDA the trainer computes in bf16 (FSDP2 mixed precision), so its only fp32 matmuls are the
+def tf32_head(device, cfg):
+    """On CUDA in bf16 the trainer computes in bf16 (FSDP2 mixed precision), so its only fp32 matmuls are the
     output head's (_chunk_logprobs and its backward), which vLLM's "highest" fp32 precision would run
     as true fp32 GEMMs. TF32 is exact for the forward: the operands are bf16 values (8 significant bits,
     TF32 keeps 11) and tensor cores accumulate in fp32, as vLLM's bf16 x bf16 -> fp32 head does. Only the
-    backward's fp32 operand (the logits' gradient) is rounded to TF32. On CPU: nothing changes."""
+    backward's fp32 operand (the logits' gradient) is rounded to TF32. Under --precision fp32 every matmul
+    is fp32 (TF32 would round the decoder's operands too), and on CPU nothing changes."""
     before = torch.get_float32_matmul_precision()  # vLLM sets it the legacy way too: "highest"
-    if device.type == "cuda":
+    if device.type == "cuda" and bf16(cfg):
         torch.set_float32_matmul_precision("high")
     try:
         yield
@@ -1389,7 +1444,7 @@ RESUMABLE = {"steps", "out_dir", "resume", "eval_only", "eval_every", "eval_samp
              "wandb_project", "reward_timeout", "reward_workers", "cpu_kv_cache_gb", "gpu_memory_utilization",
              "vllm_sleep", "save_dtype", "hf_shard_gb", "attn_impl", "max_sync_diff", "deterministic",
              "max_gen_batches", "max_nonfinite", "collective_timeout_min", "micro_batch_size", "micro_batch_tokens",
-             "logprob_chunk", "grad_checkpointing"}
+             "logprob_chunk", "grad_checkpointing", "cpu_offload"}
 CHANGES_THE_RUN = {"lr", "group_size", "gen_batch_size", "dynamic_sampling"}
 
 
@@ -1431,7 +1486,7 @@ def save_checkpoint(run, step):
     torch.distributed.barrier()
     state_dict = dict(zip(("model", "optim"), get_state_dict(run.model, run.opt)))
     dcp.save(state_dict, checkpoint_id=os.path.join(tmp, "dcp"))
-    save_hf(run.model, run.tokenizer, os.path.join(tmp, "model"), getattr(torch, cfg.save_dtype),
+    save_hf(run.model, run.tokenizer, os.path.join(tmp, "model"), getattr(torch, export_dtype(cfg)),
             cfg.hf_shard_gb)
     rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
     torch.save(rng, os.path.join(tmp, f"rng_rank{rank()}.pt"))
@@ -1444,6 +1499,12 @@ def save_checkpoint(run, step):
         for d in step_dirs(root)[:-cfg.keep_checkpoints]:
             shutil.rmtree(os.path.join(root, d))
     torch.distributed.barrier()
+
+
+def export_dtype(cfg):
+    """--save-dtype, or by default bfloat16, and float32 under LoRA: its merged W + (α/r) B A keeps every bit
+    of the adapters' update (bf16 would round the small ones away, as the bf16 sync does at first)."""
+    return cfg.save_dtype or ("float32" if cfg.lora_rank else "bfloat16")
 
 
 def saved_carried(groups):
@@ -1459,13 +1520,19 @@ def saved_carried(groups):
     return out
 
 
-def restore_carried(groups):
-    """saved_carried's groups, on resume: rank 0 holds their tokens, every other rank a stub."""
+def restore_carried(groups, cfg):
+    """saved_carried's groups, on resume: rank 0 holds their tokens, every other rank a stub. Groups of
+    another size (a resume with a changed --group-size) are dropped, with a note: Eq. 9 views the batch as
+    groups of G."""
     for s in (s for g in groups for s in g):
         if rank() != 0:
             s.pop("response_ids", None)
             s.pop("vllm_logp", None)
-    return groups
+    other = [g for g in groups if len(g) != cfg.group_size]
+    if other:
+        print0(f"resume: dropped the {len(other)} carried groups of {len(other[0])} responses (--group-size is now "
+               f"{cfg.group_size})")
+    return carry([g for g in groups if len(g) == cfg.group_size], cfg.prompts_per_step // 2)[0]
 
 
 def load_checkpoint(ckpt, model, opt):
@@ -1553,12 +1620,14 @@ class Sampler:
         return len(self.skip)
 
 
-def carry(groups):
-    """--carry-surplus: the surplus groups, marked. Their tokens stay on the rank that generated them, and
-    their vLLM log-probs are a step old: the sync gap leaves them out; the rollout corrections do not."""
-    for s in (s for g in groups for s in g):
+def carry(groups, n):
+    """--carry-surplus: the first n surplus groups (a step's batch of N takes at most N // 2 of them, so that
+    at least half of it is the step's own), marked; the rest are dropped. Their tokens stay on the rank that
+    generated them, and their vLLM log-probs are a step old: the sync gap leaves them out; the rollout
+    corrections do not. Returns (the carried groups, how many were dropped)."""
+    for s in (s for g in groups[:n] for s in g):
         s["carried"] = True
-    return groups
+    return groups[:n], len(groups[n:])
 
 
 def prepare_data(cfg, tokenizer, train, held):
@@ -1576,6 +1645,20 @@ def prepare_data(cfg, tokenizer, train, held):
     return out
 
 
+def check_demo_vocabulary(cfg, train, held):
+    """A data file for the built-in model, whose prompts hold characters it has no token for, refused."""
+    from lib import demo_model
+    for path, rows in ((cfg.train_data, train), (cfg.eval_data, held)):
+        for row in rows if path else []:
+            msgs = row["prompt"] if isinstance(row["prompt"], list) else [{"content": row["prompt"]}]
+            text = "\n".join(str(m.get("content", "")) for m in msgs)
+            bad = demo_model.unknown_chars(text)
+            if bad:
+                raise DapoError(f"{path}: the prompt {text[:40]!r}... holds {''.join(bad)[:20]!r}, which the built-in "
+                                f"demo model has no token for (it knows digits, '+-=:.', space and newline): pass "
+                                f"--model, e.g. the laptop model: --model $(python tools/real_model.py)")
+
+
 def preflight(cfg):
     """Every check that can fail on the user's input, before anything slow starts. Returns the
     checkpoint to resume (or None), the run state to start from and the (train, eval) rows."""
@@ -1583,9 +1666,12 @@ def preflight(cfg):
     note = cpu_batch_note(cfg)
     if note:
         print0(note)
+    from lib import demo_model
     if cfg.model:
         check_model(cfg.model, cfg.max_prompt_len + cfg.max_response_len)
-    from lib import demo_model
+    elif cfg.max_prompt_len + cfg.max_response_len > demo_model.MAX_POSITIONS:
+        raise DapoError(f"--max-prompt-len {cfg.max_prompt_len} + --max-response-len {cfg.max_response_len} exceeds "
+                        f"the built-in demo model's {demo_model.MAX_POSITIONS} positions: lower them, or pass --model")
     own = cfg.reward != reward.MATH  # a reward of one's own takes any ground truth (a dict, a list)
     if cfg.train_data:  # every row read and checked now: a second, where vLLM takes minutes
         train, held = load_data(cfg.train_data, cfg.dedup, own), []
@@ -1593,6 +1679,8 @@ def preflight(cfg):
         train, held = demo_model.demo_task(cfg.seed, cfg.task)
     if cfg.eval_data:
         held = load_data(cfg.eval_data, cfg.dedup, own)
+    if not cfg.model:  # the built-in model's tokenizer knows digits and "+-=:. \n" alone
+        check_demo_vocabulary(cfg, train, held)
     if own:  # a worker process imports the reward's module and checks the function, before vLLM starts
         try:
             reward.check_reward(cfg.reward)
@@ -1683,7 +1771,7 @@ def set_up(cfg):
     run.opt = torch.optim.AdamW([p for p in run.model.parameters() if p.requires_grad], lr=cfg.lr,
                                 weight_decay=cfg.weight_decay)  # with --lora-rank, the adapters alone
     run.sampler = Sampler(len(train_rows), cfg.seed, keep=cfg.gen_batch_size)
-    run.carried = restore_carried(state.get("carried", []))  # --carry-surplus: the last step's surplus
+    run.carried = restore_carried(state.get("carried", []), cfg)  # --carry-surplus's groups
     run.solved = {int(row): n for row, n in state.get("solved", {}).items()}  # --skip-solved's record
     if ckpt:
         load_checkpoint(ckpt, run.model, run.opt)
@@ -1729,6 +1817,8 @@ def log_step(run, step, m, every, samples, lr, ticks, evals):
               "time/update": sync - update, "time/sync": end - sync, "time/step": end - start,
               "tokens/s": (sum(lens) + sum(len(s["prompt_ids"]) for s in every)) / (end - start),
               "mem/peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, **evals})
+    if step == 1:  # the evaluation before training, in the first row, under its own prefix
+        m.update({"eval_before/" + k.split("/", 1)[1]: v for k, v in run.state["first_eval"].items()})
     if rank() == 0:
         run.logs["metrics"].write(json.dumps(m) + "\n")
         run.logs["metrics"].flush()
@@ -1739,9 +1829,9 @@ def log_step(run, step, m, every, samples, lr, ticks, evals):
         run.logs["samples"].write(json.dumps({
             "step": step, "prompt": run.tokenizer.decode(s["prompt_ids"]),
             "response": run.tokenizer.decode(s["response_ids"], skip_special_tokens=True),
-            "truth": run.train_rows[s["row"]]["answer"], **({"answer": s["answer"]} if "answer" in s else {}),
-            "score": s["score"], "reward": s["reward"], "success": s["success"],
-            "truncated": s["truncated"]}, default=str) + "\n")
+            "truth": run.train_rows[s["row"]]["answer"], "answer": s.get("answer"), "score": s["score"],
+            "reward": s["reward"], "success": s["success"], "failed": s.get("failed", False),
+            "truncated": s["truncated"]}, default=str) + "\n")  # every key on every line (null: none)
     for f in run.logs.values():
         f.flush()
     if cfg.wandb_project:

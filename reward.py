@@ -16,10 +16,11 @@ compute_score and TRL's reward_funcs): fn(response, row) gets the response text 
   "answer" (what the response answered, None where it gave none: identical answers vote together in
   maj@k, and eval/answered counts the others; a reward that never returns the key reports neither) and
   more numbers, each logged as score/<name> (other values are ignored).
-A response on which it raises, crashes its worker, overruns --reward-timeout or returns anything else
-scores -1 (Eq. 7's wrong answer, below any graded credit) and is no success; each is counted
-(reward/errors, reward/timeouts). math_reward, this file's checker through the contract, is the
-default.
+A reward is a finite number of magnitude at most MAX_REWARD (1e9); a number named "mean" is refused
+(score/mean is the reward's own mean). A response on which it raises, crashes its worker, overruns
+--reward-timeout or returns anything else is no success, is counted (reward/errors, reward/timeouts),
+and scores the lowest reward of its group, at most -1 (Eq. 7's wrong answer): a failure never outscores an
+answer. math_reward, this file's checker through the contract, is the default.
 
 Conventions (what a careful grader does; every one has a test in test_dapo.py)
 - Markers. A line holding `Answer:` (any case; also `Final Answer:`, `**Answer:**`) gives
@@ -703,7 +704,13 @@ def compute_score(response, ground_truth):
 
 MATH = "reward:math_reward"           # dapo.py's default --reward: this file's checker, Eq. 7
 EQUIVALENT = "reward:is_equivalent"   # maj@k's comparisons of two answers
-FAILED = {"reward": -1.0, "success": False}  # a timed-out, raising or garbage item: Eq. 7's wrong answer
+FAILED = {"reward": -1.0, "success": False, "failed": True}  # timed out, raised or garbage: Eq. 7's wrong
+MAX_REWARD = 1e9  # larger is garbage: float32 rounds Eq. 13's penalty away, and past 3.4e38 it is inf
+RESERVED = ("mean",)  # score/mean is the reward's own mean: a metric of one's own cannot take the name
+
+
+class RewardError(ValueError):
+    """A reward that cannot run at all (its module stopped importing, its worker cannot start): one line."""
 
 
 def math_reward(response, row, allow_sympy=True):
@@ -726,7 +733,8 @@ def as_result(value):
     - a number: the reward itself, a success where it is > 0;
     - a dict: "reward" (or verl's "score"), and optionally "success" (a bool), "answer" (what the response
       answered: identical answers vote together in maj@k) and other numbers, logged as score/<name>.
-    Anything else, or a reward that is not finite, raises ValueError."""
+    Anything else, a reward that is not finite or beyond MAX_REWARD, or a number named "mean", raises
+    ValueError."""
     if isinstance(value, bool):
         return {"reward": 1.0 if value else -1.0, "success": value}
     if isinstance(value, numbers.Real):
@@ -734,8 +742,15 @@ def as_result(value):
     if not isinstance(value, dict):
         raise ValueError(f"returned {type(value).__name__} {str(value)[:40]!r}: return a bool, a number or a dict")
     score = value.get("reward", value.get("score"))
-    if isinstance(score, bool) or not isinstance(score, numbers.Real) or not math.isfinite(score):
-        raise ValueError(f"returned {str(value)[:80]}: the dict needs a finite number under 'reward'")
+    if isinstance(score, bool) or not isinstance(score, numbers.Real):
+        raise ValueError(f"returned {str(value)[:80]}: the dict needs a number under 'reward'")
+    if not math.isfinite(score) or abs(score) > MAX_REWARD:
+        raise ValueError(f"returned a reward of {'NaN' if score != score else f'{score:g}'}: give a finite number "
+                         f"of magnitude at most {MAX_REWARD:g}")
+    reserved = [k for k in RESERVED if k in value]
+    if reserved:
+        raise ValueError(f"returned a number named {reserved[0]!r}: score/{reserved[0]} is the reward's own mean; "
+                         f"rename it")
     success = value.get("success", score > 0)
     if success not in (True, False):
         raise ValueError(f"returned success={success!r}: give a bool")
@@ -824,22 +839,24 @@ class _Worker:
         self.spec, self.ready = spec, False
 
     def wait_ready(self, timeout=60.0):
-        """The worker, once it has loaded the function; ValueError in one line if it cannot."""
-        import json
+        """The worker, once it has loaded the function; RewardError in one line if it cannot."""
         if not self.ready:
             up = select.select([self.proc.stdout], [], [], timeout)[0]
-            line = self.proc.stdout.readline() if up else ""
-            if line.strip() != '{"ready": true}':
-                self.kill()
-                if not up:
-                    raise ValueError(f"--reward {self.spec}: loading it took over {timeout:.0f} s (does its "
-                                     f"module hang on import?)")
-                why = json.loads(line)["error"] if line.startswith('{"error"') else (
-                    f"--reward {self.spec}: the worker process exited while loading it (exit code "
-                    f"{self.proc.returncode})")
-                raise ValueError(why)
-            self.ready = True
+            self.read_ready(self.proc.stdout.readline() if up else None, timeout)
         return self
+
+    def read_ready(self, line, timeout):
+        """Its first line (None: nothing within timeout s): ready, or RewardError saying why not."""
+        import json
+        if line is not None and line.strip() == '{"ready": true}':
+            self.ready = True
+            return
+        self.kill()
+        if line is None:
+            raise RewardError(f"--reward {self.spec}: loading it took over {timeout:.0f} s (does its module "
+                              f"hang on import?)")
+        raise RewardError(json.loads(line)["error"] if line.startswith('{"error"') else (
+            f"--reward {self.spec}: the worker process exited while loading it (exit code {self.proc.returncode})"))
 
     def submit(self, idx, payload):
         self.item, self.started = idx, time.monotonic()
@@ -899,13 +916,15 @@ def _in_process(fn, response, row):
     return None
 
 
-def score_batch(responses, rows, fn=MATH, timeout=5.0, num_workers=2):
+def score_batch(responses, rows, fn=MATH, timeout=5.0, num_workers=2, group_size=1):
     """Score many responses with the reward function `fn` ('module:function', called as fn(response, row));
     the trainer's entry point. Returns (results, stats): one as_result dict per response, and
     {"timeouts", "errors", "in_process"}. The math checker's answers that need no sympy are decided in this
     process; everything else runs in `num_workers` worker processes, each item with a hard wall-clock limit
-    of `timeout` s. An item that overruns (its worker is killed and replaced), raises, crashes its worker or
-    returns garbage scores FAILED and is counted; the first error is printed once."""
+    of `timeout` s. An item that overruns (its worker is killed), raises, crashes its worker or returns
+    garbage is counted, marked "failed", and scores the lowest reward of its group (responses in contiguous
+    blocks of group_size), at most -1; the first error is printed once. A killed or crashed worker is
+    replaced while the others work on; a replacement that cannot load the function raises RewardError."""
     import json
     assert len(responses) == len(rows)
     results, todo = [None] * len(responses), []
@@ -918,25 +937,35 @@ def score_batch(responses, rows, fn=MATH, timeout=5.0, num_workers=2):
         return results, stats
     workers = _pool(fn, max(1, min(num_workers, len(todo))))
     queue = list(reversed(todo))
-    busy = {}
+    busy, starting = {}, {}  # by output fd: workers scoring an item; replacements loading the function
 
     def fail(i, why):
         results[i] = dict(FAILED)
         if why and fn not in _WARNED:
             _WARNED.add(fn)
-            print(f"warning: --reward {fn} failed on a response ({why}); such a response scores "
-                  f"{FAILED['reward']:g}, not a success, and is counted in reward/errors", file=sys.stderr)
+            print(f"warning: --reward {fn} failed on a response ({why}); such a response is no success, scores "
+                  f"the lowest reward of its group (at most {FAILED['reward']:g}) and is counted in "
+                  f"reward/errors", file=sys.stderr)
+
+    def replace(w):  # not waited for: the other workers go on meanwhile
+        new = workers[workers.index(w)] = _Worker(fn)
+        new.started = time.monotonic()
+        starting[new.proc.stdout.fileno()] = new
 
     while queue or busy:
         for w in workers:  # hand out work
-            if w.item is None and queue:
+            if w.ready and w.item is None and queue:
                 i = queue.pop()
                 w.submit(i, json.dumps([str(responses[i])[-MAX_RESPONSE_CHARS:], rows[i]], default=str) + "\n")
                 busy[w.proc.stdout.fileno()] = w
         now = time.monotonic()
-        wait = max(0.0, min(w.started + timeout - now for w in busy.values()))
-        ready, _, _ = select.select(list(busy), [], [], wait)
+        deadlines = [w.started + timeout for w in busy.values()] + [w.started + 60.0 for w in starting.values()]
+        ready, _, _ = select.select(list(busy) + list(starting), [], [], max(0.0, min(deadlines) - now))
         for fd in ready:
+            if fd in starting:
+                w = starting.pop(fd)
+                w.read_ready(w.proc.stdout.readline(), 60.0)
+                continue
             w = busy.pop(fd)
             line = w.proc.stdout.readline()
             out = json.loads(line) if line.startswith("{") else {"error": "its worker process died"}
@@ -944,7 +973,7 @@ def score_batch(responses, rows, fn=MATH, timeout=5.0, num_workers=2):
                 stats["errors"] += 1
                 fail(w.item, out["error"])
                 if not line:  # the worker died: replace it
-                    workers[workers.index(w)] = _Worker(fn).wait_ready()
+                    replace(w)
                     continue
             else:
                 results[w.item] = out
@@ -956,7 +985,17 @@ def score_batch(responses, rows, fn=MATH, timeout=5.0, num_workers=2):
                 w.kill()
                 stats["timeouts"] += 1
                 fail(w.item, None)
-                workers[workers.index(w)] = _Worker(fn).wait_ready()
+                replace(w)
+        for fd, w in list(starting.items()):
+            if now - w.started >= 60.0:
+                starting.pop(fd).read_ready(None, 60.0)
+    lowest = {}  # a failure scores the lowest reward of its group, at most -1
+    for i, r in enumerate(results):
+        if not r.get("failed"):
+            lowest[i // group_size] = min(lowest.get(i // group_size, FAILED["reward"]), r["reward"])
+    for i, r in enumerate(results):
+        if r.get("failed"):
+            r["reward"] = lowest.get(i // group_size, FAILED["reward"])
     return results, stats
 
 

@@ -198,6 +198,30 @@ def graded(response, row):
 """
 
 
+def low_reward(response, row):
+    """A reward whose range goes below -1 (used by the failed-reward test): the response is the reward."""
+    if "RAISE" in response:
+        raise ValueError("raised on purpose")
+    return "garbage" if "GARBAGE" in response else float(response)
+
+
+CRASHY_REWARD = """
+import os, time
+if os.path.exists(MARK):  # a slow start-up, or a module that stops importing, once the test says so
+    what = open(MARK).read()
+    if what == "BROKEN":
+        raise ImportError("broken on purpose")
+    time.sleep(float(what))
+def score(response, row):
+    if response == "BREAK":  # the module will not import again: the replacement cannot load
+        open(MARK, "w").write("BROKEN")
+    if response in ("CRASH", "BREAK"):
+        os._exit(1)
+    time.sleep(0.1)
+    return {"reward": 1.0, "pid": os.getpid()}
+"""
+
+
 BAD_REWARDS = {"crash_on_import.py": "import os\nos._exit(3)\n", "syntax_error.py": "def f(:\n",
                "raises_on_import.py": "raise RuntimeError('no GPU here')\n",
                "ok.py": "def three(a, b, c):\n    return True\n", "hangs.py": "import time\ntime.sleep(3600)\n"}
@@ -688,6 +712,37 @@ def _update_samples(n=8, seed=0):
     return samples
 
 
+def _lora_reference_worker(model_dir):
+    """--kl-coef under --lora-rank, on one batch: old_logprobs' reference (the policy with its adapters off)
+    against the base model loaded alone, and the adapted policy's own log-probs against both."""
+    device = dapo.init_distributed()
+    cfg = dapo.Config(lora_rank=2, lora_alpha=4.0, kl_coef=0.1, micro_batch_size=4, num_mini_batches=1)
+    model = dapo.load_policy(cfg, model_dir, device)
+    with torch.no_grad():   # B random: the adapted policy is not the base
+        for name, p in model.named_parameters():
+            if name.endswith("lora_B"):
+                p.to_local().normal_(0, 0.3, generator=torch.Generator().manual_seed(len(name)))
+    samples = _update_samples()
+    for s in samples:
+        s["trained"] = True
+    run = types.SimpleNamespace(cfg=cfg, model=model, ref=model, pad_id=0, device=device)
+    _, plan = dapo.micro_batches(samples, cfg)
+    dapo.old_logprobs(run, plan)
+    base = dapo.load_policy(dataclasses.replace(cfg, lora_rank=0, kl_coef=0.0), model_dir, device)
+    gaps = {"ref_vs_base": 0.0, "policy_vs_base": 0.0}
+    with torch.no_grad():
+        for mb in plan[0]:
+            batch = dapo.collate(mb, 0, device)
+            by_hand = base.forward_logprobs(batch, 1.0, 1024)[0]
+            policy = model.forward_logprobs(batch, 1.0, 1024)[0]
+            for s, h, p in zip(mb, by_hand, policy):
+                n = len(s["response_ids"])
+                gaps["ref_vs_base"] = max(gaps["ref_vs_base"], (s["ref_logp"] - h[:n]).abs().max().item())
+                gaps["policy_vs_base"] = max(gaps["policy_vs_base"], (p[:n] - h[:n]).abs().max().item())
+    print("gaps", json.dumps(gaps))
+    torch.distributed.destroy_process_group()
+
+
 def _update_worker(model_dir, out_path):
     """Under torchrun, 2 ranks: what update_policy does with NaN, all-masked and normal batches."""
     device = dapo.init_distributed()
@@ -948,20 +1003,15 @@ def _plan(*args):
     return cfg, plan.model_shape(cfg.model)
 
 
-def _sync_worker(model_dir):
-    """vLLM started with dummy weights; a stream missing one tensor is refused, naming it; the
-    full stream then gives vLLM's log-probs equal to the trainer's before any generation."""
+def _sync_worker(model_dir, precision):
+    """vLLM started with dummy weights (as every run starts it). First a stream without the tied head's second
+    copy (lm_head.weight, the embedding again); then a stream missing one tensor, refused, naming it; the full
+    stream then gives vLLM's log-probs equal to the trainer's before any generation, and after an update."""
     from vllm import SamplingParams
-    cfg = dapo.Config(max_prompt_len=16, max_response_len=8, cpu_kv_cache_gb=0.25)
+    cfg = dapo.Config(max_prompt_len=16, max_response_len=8, cpu_kv_cache_gb=0.25, precision=precision)
     device = dapo.init_distributed()
     llm = dapo.start_engine(cfg, model_dir, device, dummy_weights=True)
     model = dapo.load_policy(cfg, model_dir, device)
-    try:
-        dapo.sync_weights(model, llm, skip={"model.layers.1.mlp.down_proj.weight"})
-        print("no error")
-    except dapo.DapoError as e:
-        print("sync error:", e)
-    dapo.sync_weights(model, llm)
     prompt = [20, 5, 6, 13, 7, 8, 15]
 
     def compare(seed):  # vLLM's log-probs of its own sample (flat, as dapo asks) against the trainer's
@@ -972,6 +1022,19 @@ def _sync_worker(model_dir):
         lp, _ = model.forward_logprobs(batch, 1.0, 1024)
         return lp[0, :len(ids)], torch.tensor(out.logprobs.logprobs)
 
+    dapo.sync_weights(model, llm, skip={"lm_head.weight"})
+    with torch.no_grad():
+        lp, vllm_lp = compare(0)
+    print("without the tied head's second copy: logp diff", (lp - vllm_lp).abs().max().item())
+    try:
+        dapo.sync_weights(model, llm, skip={"model.layers.1.mlp.down_proj.weight"})
+        print("no error")
+    except dapo.DapoError as e:
+        print("sync error:", e)
+    pushed = dapo.sync_weights(model, llm)
+    size = torch.tensor([], dtype=llm.llm_engine.model_config.dtype).element_size()
+    print("pushed", pushed, "state_dict", sum(t.numel() * size for t in model.state_dict().values()),
+          "tied", int(model.config.tie_word_embeddings))
     with torch.no_grad():
         lp, vllm_lp = compare(0)
     print("step-0 logp diff", (lp - vllm_lp).abs().max().item())
@@ -1087,6 +1150,14 @@ def _check_run(out_dir, stdout, steps=3):
     assert moved > 1e-3 and change > 1e-2
     last = stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"held-out accuracy: before \d\.\d\d -> after \d\.\d\d", last), last
+    # the evaluations before and after are in metrics.jsonl too, one object per step: "before" in the first row
+    # under its own prefix, "after" in the last
+    before = re.search(r"^eval \(before\): eval/avg@2 (\S+)", stdout, re.M).group(1)
+    after = re.search(r"^eval \(after\): eval/avg@2 (\S+)", stdout, re.M).group(1)
+    assert f"{rows[0]['eval_before/avg@2']:.3f}" == before and f"{rows[-1]['eval/avg@2']:.3f}" == after
+    # samples.jsonl: every key on every line (null where there is none)
+    keys = {frozenset(json.loads(x)) for x in open(os.path.join(out_dir, "samples.jsonl"))}
+    assert len(keys) == 1 and {"answer", "failed", "truth"} <= next(iter(keys)), keys
 
 
 def _logprob_change(a, b, ids=None):
@@ -1471,7 +1542,8 @@ def _head_errors(hidden, weight, targets, device, head=None):
     fp32 = lambda h, w, t: dapo.token_logprobs(h, w, t, 1.0, 1024)[0]   # noqa: E731
     fp64 = lambda h, w, t: torch.log_softmax(h @ w.T, -1).gather(-1, t[..., None])[..., 0]   # noqa: E731
     out, before = {}, torch.get_float32_matmul_precision()
-    for name, fn, ctx, dtype in (("tested", tested, dapo.tf32_head(torch.device(device)), torch.float32),
+    bf16 = dapo.Config(precision="bf16")
+    for name, fn, ctx, dtype in (("tested", tested, dapo.tf32_head(torch.device(device), bf16), torch.float32),
                                  ("fp32", fp32, contextlib.nullcontext(), torch.float32),
                                  ("fp64", fp64, contextlib.nullcontext(), torch.float64)):
         h = hidden.to(device, dtype).detach().requires_grad_()
@@ -1552,7 +1624,7 @@ def _vllm_cuda_worker(model_dir, out_path):
         outs = llm.generate([{"prompt_token_ids": s} for s in seqs], params, use_tqdm=False)
         v = torch.cat([torch.tensor([next(iter(d.values())).logprob for d in o.prompt_logprobs[1:]]) for o in outs])
         batch = dapo.collate([{"prompt_ids": s[:1], "response_ids": s[1:]} for s in seqs], 0, device, one_row=True)
-        with torch.no_grad(), dapo.tf32_head(device):
+        with torch.no_grad(), dapo.tf32_head(device, dapo.Config(precision="bf16")):
             lp, _ = model.forward_logprobs(batch, 1.0, 1024)
         return v, lp[batch["mask"].bool()].float().cpu()
 
@@ -1847,6 +1919,52 @@ def test_eq7_a_reward_of_ones_own_sees_the_whole_row_in_a_worker_process(tmp_pat
     assert "KeyError: 'target'" in warnings[0] or "returned str 'yes': return a bool, a number or a dict" in warnings[0]
 
 
+def test_eq7_a_failed_reward_scores_the_lowest_reward_of_its_group():
+    """A response on which the reward fails (raises, returns garbage, overruns, crashes its worker) is no
+    success and scores the lowest reward of its group, at most -1: for a reward whose range goes below -1 a
+    failure never outscores a bad answer; for Eq. 7's ±1 it is -1, as before."""
+    rows = [{"answer": "x"}] * 6
+    results, stats = score_batch(["-5", "RAISE", "1", "RAISE", "0.5", "GARBAGE"], rows, fn="test_dapo:low_reward",
+                                 timeout=5.0, group_size=2)
+    assert [r["reward"] for r in results] == [-5.0, -5.0, 1.0, -1.0, 0.5, -1.0]
+    assert [r.get("failed", False) for r in results] == [False, True, False, True, False, True]
+    assert not any(r["success"] for r in results[1::2]) and stats["errors"] == 3
+
+
+def test_eq7_the_contract_refuses_huge_rewards_and_a_metric_named_mean_and_says_nan():
+    """A reward is a finite number of magnitude at most 1e9 (past 3.4e38 float32 is inf, and the whole
+    mini-batch would be skipped as non-finite); NaN is said as NaN; a number named "mean" would replace the
+    built-in score/mean, and is refused: each is garbage, scored as a failure and counted."""
+    assert reward.as_result(1e9)["reward"] == 1e9
+    for value, message in ((1e10, "a reward of 1e+10: give a finite number of magnitude at most 1e+09"),
+                           (-4e38, "a reward of -4e+38"), (float("nan"), "a reward of NaN"),
+                           ({"reward": float("nan")}, "a reward of NaN"),
+                           ({"reward": 1.0, "mean": 0.5}, "a number named 'mean': score/mean is the reward's own")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            reward.as_result(value)
+
+
+def test_eq7_a_crashed_worker_is_replaced_while_the_others_work_on(tmp_path):
+    """A worker that crashes is replaced without stalling the batch: while its replacement loads (here 8 s),
+    the healthy worker scores every other item (each says its pid). A replacement that cannot load the function
+    ends the batch in one line (reward.RewardError), which dapo.py turns into its one-line error."""
+    module = tmp_path / "crashy.py"
+    module.write_text(CRASHY_REWARD.replace("MARK", repr(str(tmp_path / "start"))))
+    spec = f"{module}:score"
+    reward.check_reward(spec)                 # one worker, loaded at once
+    (tmp_path / "start").write_text("8")      # every worker started from now on loads in 8 s
+    results, stats = score_batch(["CRASH"] + ["ok"] * 12, [{"answer": "x"}] * 13, fn=spec, timeout=30.0,
+                                 num_workers=2)
+    pids = {r["metrics"]["pid"] for r in results[1:]}
+    assert stats["errors"] == 1 and results[0]["failed"] and len(pids) == 1, (stats, pids)
+    assert len(reward._POOL[spec]) == 2 and sum(not w.ready for w in reward._POOL[spec]) == 1   # still loading
+    reward.close_pool()
+    (tmp_path / "start").unlink()
+    with pytest.raises(reward.RewardError, match="importing .*crashy.py failed") as e:   # BREAK: no module after it
+        score_batch(["BREAK", "ok"], [{"answer": "x"}] * 2, fn=spec, timeout=30.0, num_workers=1)
+    assert "\n" not in str(e.value)
+
+
 def test_countdown_reward_hand_values_and_hostile_inputs():
     """examples/countdown.py's reward (TinyZero's scores: 1 right, 0.1 well-formed, 0 none) on numbers [3, 7, 25]
     and target 46: each number at most once, exact fractions, the last <answer> wins. Model text is parsed with
@@ -2031,25 +2149,133 @@ def test_eq11_dynamic_sampling_drops_exactly_the_uniform_groups():
     assert stats["filter/kept_frac"] == pytest.approx(len(mixed) / len(drawn)) and stats["filter/carried"] == 0
 
 
-def test_eq11_surplus_groups_carry_to_the_next_step():
-    """--carry-surplus: the groups that passed Eq. 11 beyond N come first in the next step's batch, which then
-    generates only what is missing; carried groups beyond N are dropped (none is more than one step old), and
-    the surplus returned is only the step's new groups. Off (no carried groups), collect_batch is as before."""
+def test_eq11_float_noise_is_no_spread_and_a_graded_spread_is():
+    """Eq. 11 on a graded reward: a group whose rewards spread by float noise (1e-6 of a reward of ~1) is
+    dropped, where Eq. 9's std + 1e-6 would have made it advantages of up to 0.76 (G = 16); a spread beyond
+    1e-4 of the batch's largest |reward| is kept. For ±1, exactly Eq. 11 (the test above)."""
+    G = 16
+    noise = torch.full((G,), 0.5)
+    noise[0] += 1e-6
+    assert dapo.group_advantages(noise, G).abs().max().item() > 0.7          # what Eq. 9 would make of it
+    graded = torch.cat([noise, torch.tensor([0.5] * 15 + [0.5002]), torch.tensor([0.2] * 8 + [1.0] * 8)])
+    assert dapo.dynamic_sampling_mask(graded, G).tolist() == [False, True, True]
+    assert dapo.dynamic_sampling_mask(torch.zeros(2 * G), G).tolist() == [False, False]
+
+
+def test_carry_surplus_takes_at_most_half_a_batch_and_every_step_generates():
+    """--carry-surplus: the groups that passed Eq. 11 beyond N come first in the next step's batch; at most
+    N // 2 are carried (the rest dropped, and counted), so every step draws at least one generation batch and
+    at least half its batch is its own; filter/carried is the number carried. The surplus returned is the
+    step's new groups alone. Off (no carried groups), collect_batch is as before."""
     cfg = dapo.Config(prompts_per_step=8, group_size=4, gen_batch_size=6, max_gen_batches=10)
     fn, calls = _stub_sample_fn(4)
     kept, surplus, _, _ = dapo.collect_batch(fn, dapo.Sampler(300, seed=0), cfg)
     assert len(surplus) == 1                                         # 3 batches: 9 mixed, 8 kept
+    carried, dropped = dapo.carry(surplus, cfg.prompts_per_step // 2)
+    assert carried == surplus and dropped == 0 and all(s["carried"] for g in carried for s in g)
     sampler = dapo.Sampler(300, seed=1)
     calls.clear()
-    kept2, surplus2, seen2, stats = dapo.collect_batch(fn, sampler, cfg, carried=surplus)
+    kept2, surplus2, _, stats = dapo.collect_batch(fn, sampler, cfg, carried=carried)
     assert kept2[0] is surplus[0] and len(kept2) == 8 and stats["filter/carried"] == 1
     assert all(g[0]["row"] % 3 == 2 for g in kept2[1:] + surplus2)  # mixed groups only
     assert all(g not in surplus for g in surplus2)                   # the surplus is new groups only
     many = [[{"row": i, "score": 1.0, "success": True}] for i in range(10)]
+    carried, dropped = dapo.carry(many, cfg.prompts_per_step // 2)
+    assert carried == many[:4] and dropped == 6                      # at most N // 2 carried
     calls.clear()
-    kept3, surplus3, seen3, stats = dapo.collect_batch(fn, sampler, cfg, carried=many)
-    assert kept3 == many[:8] and surplus3 == [] and seen3 == [] and not calls and stats["filter/gen_batches"] == 0
-    assert [s.get("carried") for g in dapo.carry(surplus2) for s in g] == [True] * 4 * len(surplus2)
+    kept3, surplus3, seen3, stats = dapo.collect_batch(fn, sampler, cfg, carried=carried)
+    assert kept3[:4] == many[:4] and len(kept3) == 8 and len(calls) >= 1 and stats["filter/gen_batches"] >= 1
+    assert stats["filter/carried"] == 4 and seen3 and all(g not in many for g in kept3[4:] + surplus3)
+
+
+def test_resume_with_another_group_size_drops_the_carried_groups_of_the_old(capsys):
+    """A resume with a changed --group-size (which too_few_groups advises) takes the carried groups of the
+    new size alone: Eq. 9 views the batch as groups of G, and groups of 4 among groups of 8 would be
+    normalised two as one. The others are dropped, with a note."""
+    old = [[{"row": i, "len": 1} for _ in range(4)] for i in range(3)]
+    cfg = dapo.Config(group_size=8, prompts_per_step=4)
+    assert dapo.restore_carried(old, cfg) == []
+    assert capsys.readouterr().out == "resume: dropped the 3 carried groups of 4 responses (--group-size is now 8)\n"
+    same = [[{"row": i, "len": 1} for _ in range(8)] for i in range(3)]
+    assert dapo.restore_carried(same, cfg) == same[:2] and capsys.readouterr().out == ""   # and at most N // 2
+
+
+def test_dppo_truncates_its_ratio_at_c_against_the_rollout_policy():
+    """DPPO as its authors' code computes it (Stable-RL's dppo_binary_tv): the weight is π_θ / π_rollout,
+    truncated at c (--dppo-ratio-cap, the authors' 10), and the trust region is centred on π_rollout
+    (--dppo-anchor rollout), or on π_θold (recompute, their *_recompute variants). A token going from
+    p = 0.001 to 0.05 with A < 0 is inside the TV region: its gradient is c = 10, not the untruncated 50."""
+    logp = torch.tensor([[math.log(0.05)]], dtype=torch.float64, requires_grad=True)
+    old = torch.full((1, 1), math.log(0.001), dtype=torch.float64)
+    adv, mask = torch.tensor([-1.0], dtype=torch.float64), torch.ones(1, 1)
+    cfg = dapo.Config(loss="dppo_tv", **dapo.LOSSES["dppo_tv"]["preset"])
+    assert cfg.dppo_ratio_cap == 10.0 and cfg.dppo_anchor == "rollout"
+    loss, _ = dapo.policy_loss(logp, old, adv, mask, cfg)
+    loss.backward()
+    assert logp.grad.item() == pytest.approx(10.0)                    # -A min(50, 10)
+    # the rollout's log-probs, where they differ from π_θold's: the ratio is π_θ / π_rollout either way, the
+    # region's centre follows --dppo-anchor. π_θ = 0.6, π_θold = 0.5, π_rollout = 0.4, A > 0: +0.2 from the
+    # rollout is beyond ε 0.15; +0.1 from π_θold is inside, with the weight 0.6 / 0.4 = 1.5
+    p, q, rollout = (torch.tensor([[math.log(x)]], dtype=torch.float64) for x in (0.6, 0.5, 0.4))
+    for anchor, want in (("rollout", 0.0), ("recompute", -1.5)):
+        c = dataclasses.replace(cfg, dppo_anchor=anchor)
+        lp = p.clone().requires_grad_()
+        loss, st = dapo.policy_loss(lp, q, torch.tensor([1.0], dtype=torch.float64), mask, c, rollout_logp=rollout)
+        loss.backward()
+        assert lp.grad.item() == pytest.approx(want), anchor
+        assert st["clip/high_frac"].item() == (want == 0.0)
+
+
+def test_gmpo_takes_the_geometric_mean_of_per_token_weights_and_a_selection_holds():
+    """Under GMPO a per-token weight (a rollout correction's) enters as one per sequence, their geometric mean,
+    as verl's geo_mean: weights 2 and 0.5 give 1, a loss of -1.0 at r = 1, A = 1 (their arithmetic mean would
+    give -1.25). GSPO's weighting stays the arithmetic mean (verl's too). With a token selection
+    (--top-entropy-quantile), a token not selected gets no gradient under GSPO and GMPO, as under DAPO: each
+    token carries the sequence's ratio with its own token's gradient (verl's s_i,t = sg[s_i] π / sg[π])."""
+    mask, adv, w = torch.ones(1, 2), torch.tensor([1.0], dtype=torch.float64), torch.tensor([[2.0, 0.5]])
+    gmpo = dapo.Config(loss="gmpo", **dapo.LOSSES["gmpo"]["preset"])
+    gspo = dapo.Config(loss="gspo", **dapo.LOSSES["gspo"]["preset"])
+    zero = torch.zeros(1, 2, dtype=torch.float64)
+    norm = dapo.Normaliser(per_sample=True, n=1)
+    assert dapo.policy_loss(zero, zero, adv, mask, gmpo, norm, w)[0].item() == pytest.approx(-1.0, abs=1e-8)
+    assert dapo.policy_loss(zero, zero, adv, mask, gspo, norm, w)[0].item() == pytest.approx(-1.25)
+    select = torch.tensor([[1.0, 0.0]])
+    for cfg in (gmpo, gspo, dapo.Config()):
+        logp = torch.zeros(1, 2, dtype=torch.float64, requires_grad=True)
+        full = torch.autograd.grad(dapo.policy_loss(logp, zero, adv, mask, cfg, norm)[0], logp)[0]
+        sel = torch.autograd.grad(dapo.policy_loss(logp, zero, adv, mask, cfg, norm, select=select)[0], logp)[0]
+        assert sel[0].tolist() == pytest.approx([full[0, 0].item(), 0.0]) and full[0, 1] != 0, cfg.loss
+
+
+def test_tf32_is_scoped_to_the_head_under_bf16_on_cuda():
+    """tf32_head lowers the fp32 matmul precision to TF32 on CUDA under bf16 alone (where its only fp32 matmul
+    is the head's, on bf16 operands: exact). Under --precision fp32 every matmul stays true fp32, as vLLM runs
+    it; on CPU nothing changes. No GPU is needed to see which precision it sets."""
+    torch.set_float32_matmul_precision("highest")
+    cuda = torch.device("cuda")
+    for device, precision, inside in ((cuda, "bf16", "high"), (cuda, "fp32", "highest"),
+                                      (torch.device("cpu"), "bf16", "highest")):
+        with dapo.tf32_head(device, dapo.Config(precision=precision)):
+            assert torch.get_float32_matmul_precision() == inside, (device, precision)
+        assert torch.get_float32_matmul_precision() == "highest"
+
+
+def test_resume_takes_cpu_offload_and_the_built_in_models_limits_are_checked_first(tmp_path):
+    """--cpu-offload changes where the shards live, not what is trained: a resume takes it silently. The
+    built-in model's limits are checked before anything slow: 128 positions (--max-prompt-len plus
+    --max-response-len), and a data file whose prompts hold characters it has no token for (letters, '?')."""
+    dapo.check_resume(dataclasses.asdict(dapo.Config()), dapo.Config(cpu_offload=True))
+    with pytest.raises(dapo.DapoError, match=r"^--max-prompt-len 100 \+ --max-response-len 100 exceeds the "
+                                             r"built-in demo model's 128 positions: lower them, or pass --model$"):
+        dapo.preflight(dapo.parse_config(["--max-prompt-len", "100", "--max-response-len", "100"]))
+    data = tmp_path / "words.jsonl"
+    data.write_text(json.dumps({"prompt": "What is 2 + 3?", "answer": "5"}) + "\n")
+    with pytest.raises(dapo.DapoError, match=r"holds '\?Wahist', which the built-in demo model has no token for .*"
+                                             r"pass --model, e.g. the laptop model") as e:
+        dapo.preflight(dapo.parse_config(["--train-data", str(data)]))
+    assert "\n" not in str(e.value)
+    data.write_text(json.dumps({"prompt": "2+3=", "answer": "5"}) + "\n")
+    dapo.preflight(dapo.parse_config(["--train-data", str(data)]))   # digits and signs: accepted
 
 
 def test_skip_solved_sets_aside_the_prompts_always_solved():
@@ -2079,22 +2305,33 @@ def test_eq11_dynamic_sampling_off_keeps_everything():
 
 
 def test_eq11_dynamic_sampling_gives_up_with_a_clear_error():
-    """Out of generation batches, the error names the counts and the fixes. With nothing kept, it stops
-    after the first batch: at twice a keep rate of 0 the batches left could never fill the batch."""
+    """Out of generation batches, the error names the counts in the reward's terms and the fixes. With nothing
+    kept it stops after the first batch (at twice a keep rate of 0 the batches left could never fill it) and
+    does not advise more generation batches. A graded reward's uniform groups are counted by their value, not as
+    all wrong; where most responses failed in the reward, that is named first."""
     cfg = dapo.Config(prompts_per_step=8, group_size=4, gen_batch_size=6, max_gen_batches=3)
     fn, calls = _stub_sample_fn(4)   # a third of the groups are mixed: 5 of 8 kept after 3 batches
     with pytest.raises(dapo.DapoError, match=r"kept only 5 of 8 groups after 3 generation batches \(18 groups: "
-                                             r"7 all correct, 6 all wrong; accuracy 52.8%\)\. The data") as e:
+                                             r"7 all scored \+1, 6 all scored -1, 5 with rewards that differ; "
+                                             r"accuracy 52.8%\)\. The data") as e:
         dapo.collect_batch(fn, dapo.Sampler(300, seed=0), cfg)
-    assert "group size" in str(e.value) and "--no-dynamic-sampling" in str(e.value)
+    assert "group size" in str(e.value) and "--no-dynamic-sampling" in str(e.value) and "--max-gen-batches" in str(e.value)
     assert len(calls) == 3
     fn, calls = _stub_sample_fn(4, uniform=lambda i: True)
+    many = dataclasses.replace(cfg, max_gen_batches=20)
     with pytest.raises(dapo.DapoError, match=r"kept only 0 of 8 groups after 1 generation batch \(6 groups: .*"
-                                             r"accuracy 50.0%\), and the 2 left of --max-gen-batches 3 could "
-                                             r"not fill it even at twice this keep rate") as e:
-        dapo.collect_batch(fn, dapo.Sampler(300, seed=0), cfg)
-    assert "easier data" in str(e.value) and "--no-dynamic-sampling" in str(e.value)
-    assert len(calls) == 1
+                                             r"0 with rewards that differ; accuracy 50.0%\); no group's rewards "
+                                             r"differed, so more generation batches would not fill it") as e:
+        dapo.collect_batch(fn, dapo.Sampler(300, seed=0), many)
+    assert "easier data" in str(e.value) and "--no-dynamic-sampling" in str(e.value) and len(calls) == 1
+    assert "--max-gen-batches" not in str(e.value) and "--gen-batch-size" not in str(e.value)
+    graded = [[{"score": 0.2, "success": False}] * 4] * 5 + [[{"score": -1.0, "success": False}] * 4] * 2
+    said = str(dapo.too_few_groups(0, graded, 1, cfg))
+    assert "(7 groups: 5 all scored +0.2, 2 all scored -1, 0 with rewards that differ; accuracy 0.0%)" in said
+    failing = [[{"score": -1.0, "success": False, "failed": True}] * 4] * 5 + graded[:1]
+    said = str(dapo.too_few_groups(0, failing, 1, cfg))
+    assert said.startswith("20 of the 24 responses failed in the reward (reward/errors, reward/timeouts; its first "
+                           "error is printed above): fix the reward first. dynamic sampling kept only 0"), said
 
 
 def test_eq12_mask_excludes_padding_includes_eos():
@@ -2752,16 +2989,30 @@ def test_token_logprobs_peak_memory():
     assert peaks["fused"] < peaks["naive"] / 3
 
 
-def test_weight_sync_refuses_a_missing_tensor_and_is_exact_at_step_0_and_after_an_update(tiny_model):
-    out = _run([sys.executable, "test_dapo.py", "sync", tiny_model], timeout=600)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_weight_sync_refuses_a_missing_tensor_and_is_exact_at_step_0_and_after_an_update(tiny_model, precision):
+    """In fp32 and (where the CPU has bf16 instructions) bf16. The stream carries every state_dict tensor, the
+    tied head twice (lm_head.weight, the embedding again): from vLLM's dummy start (every run's first sync, and
+    on CUDA every sync after a level-2 sleep), its fp32 engine on CPU reads the head from that name alone, and a
+    stream without it leaves the head at its dummy values (the reason it is streamed every time)."""
+    if precision == "bf16" and dapo.check_data.cpu_lacks_bf16():
+        pytest.skip("this CPU has no bf16 instructions: --precision bf16 is refused on it (tested end to end)")
+    out = _run([sys.executable, "test_dapo.py", "sync", tiny_model, precision], timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     err = re.search(r"sync error: (.*)", out.stdout).group(1)
     diff = float(re.search(r"step-0 logp diff (\S+)", out.stdout).group(1))
     after, moved = map(float, re.search(r"after-update logp diff (\S+) moved (\S+)", out.stdout).groups())
-    print(f"{err}\nstep-0 |vLLM log-prob - trainer log-prob| max {diff:.1e}; after an optimizer step and a "
-          f"sync {after:.1e}, while the step moved the log-probs by {moved:.1e}")
+    stale = float(re.search(r"without the tied head's second copy: logp diff (\S+)", out.stdout).group(1))
+    pushed, total, tied = map(int, re.search(r"pushed (\d+) state_dict (\d+) tied (\d)", out.stdout).groups())
+    print(f"{precision}: {err}\nstep-0 |vLLM log-prob - trainer log-prob| max {diff:.1e}; after an optimizer step "
+          f"and a sync {after:.1e}, while the step moved the log-probs by {moved:.1e}; without the tied head's "
+          f"second copy {stale:.1e}; {pushed} bytes pushed")
     assert "model.layers.1.mlp.down_proj.weight" in err and "unwritten" in err
-    assert diff < 1e-4 and after < 1e-4 and moved > 1e-2
+    assert tied and pushed == total                                  # every state_dict tensor, the tied head too
+    bound = 1e-4 if precision == "fp32" else 1e-2                    # bf16: its rounding, ~1e-4 to 1e-3 here
+    assert diff < bound and after < bound and moved > 1e-2
+    if precision == "fp32":
+        assert stale > 0.1                                           # the head left at its dummy values
 
 
 def test_each_rank_receives_only_its_training_share(tmp_path):
@@ -3026,7 +3277,12 @@ def test_a_choice_flag_is_checked_from_its_table(monkeypatch):
     (["--loss", "ppo"], f"--loss must be one of {', '.join(dapo.LOSSES)}, not 'ppo'"),
     (["--adv-estimator", "ppo"], "--adv-estimator must be one of grpo, dr_grpo, rloo, not 'ppo'"),
     (["--attn-impl", "flash"], "--attn-impl must be one of '', flex_attention, flash_attention_2, sdpa, not 'flash'"),
-    (["--save-dtype", "float16"], "--save-dtype must be one of bfloat16, float32, not 'float16'"),
+    (["--save-dtype", "float16"], "--save-dtype must be one of '', bfloat16, float32, not 'float16'"),
+    (["--temperature", "3"], "--temperature must lie in [0.01, 2] (got 3.0)"),
+    (["--eval-temperature", "0.001"], "--eval-temperature must lie in [0.01, 2] (got 0.001)"),
+    (["--dppo-anchor", "rollout", "--dppo-ratio-cap", "3"], "--dppo-ratio-cap 3.0 has no effect under --loss dapo: "
+                                                            "drop it, or pass --loss dppo_tv"),
+    (["--loss", "dppo_kl", "--dppo-anchor", "old"], "--dppo-anchor must be one of rollout, recompute, not 'old'"),
     (["--hf-shard-gb", "0"], "--hf-shard-gb must be positive (got 0.0)"),
     (["--gen-batch-size", "0"], "--gen-batch-size must be at least 1 (got 0)"),
     (["--prompts-per-step", "5", "--group-size", "2", "--num-mini-batches", "3"],
@@ -3360,7 +3616,8 @@ def test_every_flag_a_mid_run_error_advises_is_taken_by_resume(capsys, monkeypat
     non-finite steps in a row, a broken weight sync) names the flags to change; resuming with each changed is
     accepted, silently (a limit, memory) or with a one-line note (the run then differs from a straight one)."""
     cfg = dapo.Config(prompts_per_step=4, group_size=2, max_gen_batches=3)
-    seen = [[{"success": True}, {"success": True}]] * 5 + [[{"success": False}] * 2]
+    seen = [[{"score": 1.0, "success": True}] * 2] * 5 + [[{"score": 1.0, "success": True},
+                                                            {"score": -1.0, "success": False}]]
     errors = [dapo.too_few_groups(1, seen, 3, cfg), dapo.nonfinite_error(10)]
     monkeypatch.setattr(dapo, "sync_diff_stats", lambda samples: {"sync/logp_diff_mean": 0.4})   # a broken sync
     with pytest.raises(dapo.DapoError) as e:
@@ -3607,6 +3864,21 @@ def test_end_to_end_single_process(straight_run):
     assert out.stdout.startswith("presets: --task add (")
 
 
+def test_carry_surplus_runs_the_demo_on_past_the_step_its_surplus_would_fill_a_batch(tmp_path):
+    """python dapo.py --carry-surplus on the demo: 96 prompts a generation batch for N = 64, at a keep rate of
+    ~0.8-0.9, so that one batch gives more than N groups and the surplus grows each step (it used to reach N
+    by step 4 and end step 5 in a traceback). For 8 steps every step draws a generation batch, filter/carried
+    (the number carried) never exceeds N // 2, the cap binds, and what did not fit is counted."""
+    out = _run([sys.executable, "dapo.py", "--carry-surplus", "--steps", "8", "--eval-samples", "0", "--out-dir",
+                str(tmp_path)], timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    carried, dropped = [r["filter/carried"] for r in rows], [r["filter/surplus_dropped"] for r in rows]
+    print(f"kept_frac {[round(r['filter/kept_frac'], 2) for r in rows]}; carried {carried}; dropped {dropped}")
+    assert len(rows) == 8 and all(r["filter/gen_batches"] >= 1 for r in rows)
+    assert carried[0] == 0 and max(carried) == dapo.DEMO["prompts_per_step"] // 2 and sum(dropped) > 0
+
+
 def test_resume_after_a_failed_save_reproduces_a_straight_run(straight_run, tmp_path):
     """4 straight steps, against a run whose real save_checkpoint fails midway at step 3 (the rename,
     its commit point, raises): the previous checkpoint is the latest complete one, and --resume in the
@@ -3661,15 +3933,27 @@ def test_resume_after_a_failed_save_reproduces_a_straight_run(straight_run, tmp_
     assert re.search(r"eval \(model\): eval/avg@2 \d\.\d+  eval/pass@2 \d\.\d+  eval/maj@2 \d\.\d+", out.stdout), out.stdout
 
 
+def test_lora_kl_reference_is_the_base_model_computed_by_hand(tiny_model):
+    """--kl-coef under --lora-rank: the reference old_logprobs computes (the policy with its adapters off, no
+    second model) equals the base model's log-probs computed alone, on one batch, while the adapted policy's
+    differ: a reference that kept its adapters on (or was the policy) would fail here, where kl/ref >= 0 holds
+    for any reference (k3 is never negative)."""
+    out = _run([sys.executable, "test_dapo.py", "lora_reference", tiny_model], timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    gaps = json.loads(re.search(r"^gaps (.*)$", out.stdout, re.M).group(1))
+    print(gaps)
+    assert gaps["ref_vs_base"] < 1e-5 and gaps["policy_vs_base"] > 1e-2
+
+
 def test_lora_trains_the_adapters_alone_resumes_bit_exact_and_exports_merged_weights(tmp_path):
     """--lora-rank 4 --lora-alpha 8 on the demo, 3 steps, with --kl-coef (its reference: the policy with its
     adapters off, no second model). The base weights stay exactly as loaded and the adapters move; the sync of
     the merged weights is exact (fp32 noise); a run resumed from step 2 ends with the straight run's step-3
     weights and metrics, bit for bit; a changed rank is refused in one line; the Hugging Face export holds
-    W + (α / r) B A, with no adapter tensor, loads in transformers and generates."""
+    W + (α / r) B A in fp32 (the default under LoRA), with no adapter tensor, loads in transformers and generates."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
-    lora = ["--lora-rank", "4", "--lora-alpha", "8", "--kl-coef", "0.05", "--save-every", "1", "--save-dtype", "float32"]
+    lora = ["--lora-rank", "4", "--lora-alpha", "8", "--kl-coef", "0.05", "--save-every", "1"]
     a, b = tmp_path / "a", tmp_path / "b"
     out = _dapo(*lora, "--steps", "3", "--eval-samples", "0", "--out-dir", str(a))
     assert out.returncode == 0, out.stderr[-4000:]
@@ -3692,6 +3976,7 @@ def test_lora_trains_the_adapters_alone_resumes_bit_exact_and_exports_merged_wei
     out = _dapo(*lora[:1], "8", *lora[2:], "--steps", "4", "--resume", "--out-dir", str(b))
     assert out.returncode == 2 and re.search(r"^error: cannot resume: .*--lora-rank 4 -> 8", out.stderr, re.M), out.stderr
     export = a / "checkpoints" / "step_000003" / "model"
+    assert json.load(open(export / "config.json"))["dtype"] == "float32"   # LoRA's default: nothing rounded away
     merged = {k: v for f in export.glob("*.safetensors") for k, v in load_file(f).items()}
     assert not any(".lora_" in k for k in merged) and merged.keys() == base.keys()
     for k in base:
@@ -3749,7 +4034,7 @@ def test_end_to_end_torchrun_2_ranks(tmp_path):
     the sync gap's statistics must skip. --carry-surplus: a group
     carried to the next step keeps its tokens on the rank that generated it until it is trained. Then the 2
     ranks' checkpoint resumes in 1 process, as load_checkpoint's docstring claims, its carried surplus too."""
-    carry = ["--carry-surplus", "--gen-batch-size", "48"]   # ~24 groups pass of 48: a surplus most steps
+    carry = ["--carry-surplus", "--gen-batch-size", "48"]   # more than N = 16 pass of 48: a surplus each step
     out = _torchrun(2, "dapo.py", *E2E_ARGS, "--steps", "4", "--micro-batch-tokens", "56", *carry,
                     "--out-dir", str(tmp_path), timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
@@ -3772,7 +4057,7 @@ def test_end_to_end_torchrun_2_ranks(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and rows[-1]["sync/logp_diff_max"] < 1e-4
     print(f"carried groups per step: {[r['filter/carried'] for r in rows]}; in step 4's checkpoint: {len(saved)}")
     assert sum(r["filter/carried"] for r in rows) > 0                        # the buffer worked across steps
-    assert rows[4]["filter/carried"] == min(len(saved), 16)                  # and the resume took step 4's
+    assert rows[4]["filter/carried"] == len(saved) <= 8                      # and the resume took step 4's (N/2 at most)
 
 
 def test_end_to_end_torchrun_tensor_parallel_2(tmp_path):
@@ -4203,9 +4488,11 @@ if __name__ == "__main__":  # helpers launched by the tests above (under torchru
     elif sys.argv[1] == "load":
         _load_worker(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "sync":
-        _sync_worker(sys.argv[2])
+        _sync_worker(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "seed":
         _seed_worker(sys.argv[2])
+    elif sys.argv[1] == "lora_reference":
+        _lora_reference_worker(sys.argv[2])
     elif sys.argv[1] == "update":
         _update_worker(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "mixed_precision":

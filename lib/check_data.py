@@ -382,11 +382,12 @@ def _out_of_range(flag, value, help):
 
 def _ignored(cfg, losses):
     """The settings cfg.loss has no use for, given at other than their defaults: the shared flags its
-    LOSSES entry ignores, and another loss's own settings (the Config fields named after it)."""
+    LOSSES entry ignores, and another loss's own settings (the Config fields named after it, or its "own")."""
     default, ignores = type(cfg)(), losses.get(cfg.loss, {}).get("ignores", ())
     out = []
     for f in dataclasses.fields(cfg):
-        value, owner = getattr(cfg, f.name), next((k for k in losses if f.name.startswith(k + "_")), cfg.loss)
+        owners = [k for k in losses if f.name.startswith(k + "_") or f.name in losses[k].get("own", ())]
+        value, owner = getattr(cfg, f.name), cfg.loss if cfg.loss in owners or not owners else owners[0]
         if (f.name in ignores or owner != cfg.loss) and value != getattr(default, f.name):
             given = "--" + ("no-" if value is False else "") + f.name.replace("_", "-")
             given += "" if isinstance(value, bool) else f" {value}"

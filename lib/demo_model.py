@@ -31,6 +31,15 @@ DAPO_HEAD = ("Solve the following math problem step by step. The last line of yo
              "problem.\n\n")
 DAPO_TAIL = "\n\nRemember to put your answer on its own line after \"Answer:\"."
 DEMO_TOKENS = [DAPO_HEAD, DAPO_TAIL, "Answer:"]  # single tokens: prompts stay ~10 tokens long
+CHARS = "0123456789+-=:. \n"  # every other character would be <|unk|>: a text task needs a real --model
+MAX_POSITIONS = 128  # prompt + response
+
+
+def unknown_chars(text):
+    """The characters of text that the built-in model's tokenizer does not know."""
+    for t in DEMO_TOKENS:
+        text = text.replace(t, "")
+    return sorted(set(text) - set(CHARS))
 
 
 def demo_task(seed=0, task="add"):
@@ -72,7 +81,7 @@ def carry_solution(a, b):
     return "\n".join(lines + [f"Answer: {a + b}"])
 
 
-def tiny_qwen2(added_tokens, vocab=32, max_len=128, seed=0, fill=False):
+def tiny_qwen2(added_tokens, vocab=32, max_len=MAX_POSITIONS, seed=0, fill=False):
     """A character-level tokenizer (digits, "+-=:.", space, newline; each of added_tokens is one
     token) and a random-init Qwen2 of 2 layers, hidden 128, head_dim 64 (vLLM's CPU backend needs
     >= 64). fill: add characters until the tokenizer has `vocab` tokens."""
@@ -81,7 +90,7 @@ def tiny_qwen2(added_tokens, vocab=32, max_len=128, seed=0, fill=False):
     # Written in the byte-level form Qwen2's tokenizer class expects (space is "Ġ", newline "Ċ"),
     # since AutoTokenizer rebuilds a qwen2 model's tokenizer that way.
     specials = ["<|pad|>", "<|endoftext|>", "<|unk|>"]
-    chars = list("0123456789+-=:.") + ["Ġ", "Ċ"]
+    chars = [{" ": "Ġ", "\n": "Ċ"}.get(c, c) for c in CHARS]
     if fill:
         more = sorted(c for c in pre_tokenizers.ByteLevel.alphabet() if c not in chars)
         chars += more[:vocab - len(specials) - len(chars) - len(added_tokens)]

@@ -148,7 +148,7 @@ def host_plan(cfg, shape, P, W, gpus_per_node, weight_file):
     h, L, nh, kv, i, V, tied, hd = shape
     g, off, GB = gpus_per_node, cfg.cpu_offload, 1e9
     biggest = max(V, i) * h                     # elements of the largest tensor: the embedding (or the head)
-    save_b = 4 if cfg.save_dtype == "float32" else 2
+    save_b = 4 if dapo.export_dtype(cfg) == "float32" else 2
     file_b = min(max(cfg.hf_shard_gb * GB, biggest * save_b), P * save_b)  # one file of the export
     writers = min(g, math.ceil(P * save_b / file_b))
     base = g * HOST_GB_PER_RANK * GB
