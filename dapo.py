@@ -12,12 +12,6 @@ arXiv 2503.14476) is GRPO without the KL term, plus four techniques, each one fl
 Naive GRPO is: --eps-high 0.2 --no-dynamic-sampling --no-token-level-loss
                --no-overlong-filtering --no-soft-overlong-punishment
 
-The rollout runs in vLLM inside this process; the policy is sharded with FSDP2 (fully_shard);
-after every update the new weights are pushed into vLLM. Objectives proposed after DAPO are one
-flag away: --loss gspo|cispo|dr_grpo|sapo|dppo_tv|dppo_kl|gmpo, --adv-estimator rloo, --kl-coef, --tis-mode,
---off-policy-mask, --top-entropy-quantile, --deterministic. A task of one's own brings its data file
-and, if the math checker cannot score it, --reward module:function (examples/ holds worked ones).
-
     python dapo.py                                  # built-in tiny model + task, CPU, minutes
     python dapo.py --model Qwen/Qwen2.5-0.5B --train-data dapo-math-17k.parquet \\
         --eval-data aime-2024.parquet               # 1 GPU
@@ -25,17 +19,19 @@ and, if the math checker cannot score it, --reward module:function (examples/ ho
     bash run_32b.sh                                 # the paper's 32B run, multi-node
     python tools/plan.py --model ...                # what each GPU and node will hold
     python tools/gpu_check.py --model ...           # first, on a new GPU machine
-A real ~100M-parameter model on a laptop (2 CPU cores; tools/real_model.py's model takes the laptop
-preset, LAPTOP below): held-out accuracy on 2-digit sums rises from ~0.1 to ~0.6-0.7 in ~10 minutes:
+A real ~100M-parameter model on a laptop (2 CPU cores, the LAPTOP preset): held-out accuracy on
+2-digit sums rises from ~0.1 to ~0.6-0.7 in ~10 minutes:
     python examples/fewshot_addition.py data/add && python dapo.py --model $(python tools/real_model.py) \\
         --train-data data/add/train.jsonl --eval-data data/add/eval.jsonl
 
-Read Part 1: it is DAPO, in the order it runs: the config, the sample record, the maths (Eqs. 9-13 and
-the later objectives), train() (the paper's Algorithm 1), the rollout and its filter, the update,
-evaluation. Part 2, below its banner, is the plumbing (packing, the fp32 head, FSDP2, vLLM, checkpoints,
-logs); a function it provides is named where Part 1 calls it. Beside this file: reward.py (the answer
-checker, Eq. 7), lib/ (what this file imports: the checks, the process group, Ctrl-C, the demo model) and
-tools/ (scripts that import this file).
+The file has three parts. Part 1 is DAPO and what runs it, in run order: the config, the records of
+a sample and of the run, the paper's equations as pure functions, train() (Algorithm 1), the rollout
+and its filter, the update, evaluation. It leaves out what came after DAPO; Part 2 adds it, each behind
+a flag and off by default: later objectives and advantage estimators (the tables OBJECTIVES and
+ADV_ESTIMATORS), rollout corrections, a KL penalty, carried surplus, skipped prompts, LoRA. Part 3 is
+the plumbing: vLLM in this process, FSDP2, packed rows, checkpoints, logs. Where Part 1 calls Part 2 or
+3, the line says so. Beside this file: reward.py (Eq. 7's checker), lib/ (what this file imports),
+tools/ (scripts that import it), examples/ (tasks of one's own).
 """
 
 import atexit
@@ -59,7 +55,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 import reward  # the answer checker (Eq. 7), beside this file
 
-# Checks of the user's files (Part 2) live in lib/: bad input is one line, before anything slow.
+# Checks of the user's files (Part 3) live in lib/: bad input is one line, before anything slow.
 from lib import check_data, interrupt, lora
 from lib.dist import (STALE_SHM, all_gather_objects, all_to_all_objects, compute_device, full_tensor,
                       init_distributed, own_ipc_dir, print0, rank, unlink_group_shm, world)
@@ -71,98 +67,77 @@ from lib.check_data import cpu_batch_note, field_helps, latest_checkpoint, load 
 # Part 1: DAPO
 # =========================================================================================
 # Config: every field becomes a flag (`eps_high` -> --eps-high); its comment is the --help text. A
-# numeric field's range stands in braces in its comment ({>= 1}, {> 0}, {(0, 1]}: check_config reads
-# it there); a numeric field with none must be >= 0, and its comment says what 0 means.
+# numeric field's range stands in braces ({>= 1}, {> 0}, {(0, 1]}: check_config reads it there); one
+# with none must be >= 0, and its comment says what 0 means.
 
 @dataclass
 class Config:
-    # model and data
-    model: str = ""                  # HF model dir or hub name; "" = the built-in tiny demo model
-    train_data: str = ""             # parquet (verl schema), JSONL or a .json array; "" = the built-in task
-    eval_data: str = ""              # held-out file, same formats; "" = built-in held-out split
-    dedup: bool = True               # drop repeated prompts (DAPO-Math-17k repeats each ~100x)
-    out_dir: str = "runs/dapo"       # metrics, samples and checkpoints go here
-    task: str = "add"                # built-in task: add (2-digit sums) or carry (1-5 columns, the ladder's)
-    reward: str = "reward:math_reward"  # R (Eq. 7): module:function or path/to/file.py:function, called as
-    #  fn(response, row) -> bool, number or dict (reward.py's docstring), in the checker's worker processes,
-    #  which import it at start-up; the trainer's never does. Default: reward.py's math checker
-    # rollout (paper Sec. 4.1)
-    prompts_per_step: int = 512      # N: prompts (groups) in one training batch {>= 1}
-    group_size: int = 16             # G: responses sampled per prompt {>= 2: Eq. 9 needs a group}
-    gen_batch_size: int = 1536       # prompts per generation batch (verl: 3 x 512) {>= 1}
-    max_gen_batches: int = 10        # give up filling one batch after this many generation batches
-    #  {>= 1: verl's 0 = no limit would loop forever on data the model never solves: give a large number}
-    max_prompt_len: int = 2048       # longer prompts are dropped at load time {>= 1}
-    max_response_len: int = 20480    # L_max (Eq. 13): generation stops here (truncated) {>= 1}
-    temperature: float = 1.0         # sampling temperature for training rollouts {[0.01, 2]: vLLM's range}
-    top_p: float = 1.0               # top-p of training rollouts: 1 (old log-probs ignore a cut) {(0, 1]}
-    # DAPO techniques (each one flag; the paper's Table 1 is a set of command lines)
+    # DAPO: Table 1's techniques (each one flag: the table is a set of command lines)
     eps_low: float = 0.2             # ε_low (Eq. 10) {(0, 1]}
     eps_high: float = 0.28           # ε_high, Clip-Higher (Sec. 3.1); 0.2 = symmetric GRPO clip {> 0}
     dynamic_sampling: bool = True    # Eq. 11: keep groups with 0 < #correct < G, refill the batch
-    carry_surplus: bool = False      # groups that pass Eq. 11 beyond the batch's N train in the next step
-    #  (used first; one step old at most) instead of being dropped
-    skip_solved: int = 0             # set aside, for the rest of the run, a prompt whose G responses were all
-    #  right in each of its last K draws (while a generation batch's worth of prompts is left); 0 = off
     token_level_loss: bool = True    # Eq. 12: normalise by all tokens; off = GRPO's per-sample mean
     overlong_filtering: bool = True  # Sec. 3.4: mask the loss of truncated samples
     soft_overlong_punishment: bool = True  # Eq. 13: length penalty added to the reward
     overlong_cache_len: int = 4096   # L_cache (Eq. 13): the soft-punishment interval
-    dual_clip: float = 0.0           # dual-clip PPO's c > 1, bounds the loss if A < 0 (ref. run: 10); 0 = off
-    # objectives after DAPO (LOSSES below: each --loss's preset, and the shared flags it ignores)
-    loss: str = "dapo"               # the objective: dapo (Eq. 10/12), or one of LOSSES' later ones
-    adv_estimator: str = "grpo"      # A_i from the group's rewards: grpo (Eq. 9), dr_grpo (no std), rloo
-    #  (leave-one-out): ADV_ESTIMATORS
-    sapo_tau_pos: float = 1.0        # --loss sapo: the soft gate's temperature τ_pos where A > 0 {> 0}
-    sapo_tau_neg: float = 1.05       # --loss sapo: τ_neg, where A <= 0 {> 0}
-    dppo_anchor: str = "rollout"     # --loss dppo_*: the trust region's centre: rollout (π_rollout, the authors'
-    #  dppo_binary_*) or recompute (π_θold, their *_recompute); the ratio is π_θ / π_rollout either way
-    dppo_ratio_cap: float = 10.0     # --loss dppo_*: c, the ratio's truncation (the authors' loss; verl's actor
-    #  config: 3) {> 0}
-    kl_coef: float = 0.0             # β: GRPO's k3 KL penalty to the frozen initial policy (DAPO drops it,
-    #  Sec. 2.3); 0 = off, no reference model loaded
-    top_entropy_quantile: float = 1.0  # ρ: only the mini-batch's top-ρ entropy tokens carry the policy
-    #  loss (arXiv 2506.01939); 1.0 = off, every token {(0, 1]}
-    # rollout correction: vLLM samples from a policy a little off the trainer's (kernels, bf16)
-    tis_mode: str = "token_truncate"  # importance weights π_θold / π_rollout per token or per sequence:
-    #  token_truncate, token_mask, sequence_truncate or sequence_mask (as TRL's)
-    tis_cap: float = 0.0             # the weights' upper bound C; 0 = off (the paper)
-    tis_min: float = 0.0             # the weights' lower bound; 0 = none
-    off_policy_mask: float = 0.0     # δ (DeepSeek-V3.2, Eq. 9): drop the A < 0 sequences whose mean
-    #  log π_rollout - log π_θ exceeds δ; 0 = off
-    # optimisation (paper Sec. 4.1)
+    # DAPO: the paper's hyper-parameters (Sec. 4.1)
+    prompts_per_step: int = 512      # N: prompts (groups) in one training batch {>= 1}
+    group_size: int = 16             # G: responses sampled per prompt {>= 2: Eq. 9 needs a group}
+    gen_batch_size: int = 1536       # prompts per generation batch (the reference run: 3 x 512) {>= 1}
+    max_gen_batches: int = 10        # give up filling one batch after this many generation batches
+    #  {>= 1: there is no "no limit": give a large number}
+    max_response_len: int = 20480    # L_max (Eq. 13): generation stops here (truncated) {>= 1}
+    temperature: float = 1.0         # sampling temperature for training rollouts {[0.01, 2]: vLLM's range}
+    top_p: float = 1.0               # top-p of training rollouts: 1 (π_θold ignores a cut) {(0, 1]}
+    num_mini_batches: int = 16       # μ: gradient updates per rollout step {>= 1}
     lr: float = 1e-6                 # AdamW learning rate {> 0}
     warmup_steps: int = 20           # linear warm-up, in rollout steps; 0 = none
-    weight_decay: float = 0.1        # AdamW weight decay (reference run); 0 = none
+    weight_decay: float = 0.1        # AdamW weight decay (the reference run's); 0 = none
     grad_clip: float = 1.0           # max global grad norm; 0 = no clipping (the norm is still logged)
-    max_nonfinite: int = 10          # stop after this many steps in a row skipped for NaN/inf {>= 1}
-    num_mini_batches: int = 16       # μ: gradient updates per rollout step {>= 1}
-    micro_batch_size: int = 4        # sequences per forward/backward on one rank {>= 1}
-    micro_batch_tokens: int = 0      # micro-batches by this budget of real tokens; 0 = by --micro-batch-size
-    logprob_chunk: int = 1024        # tokens per chunk of the memory-lean log-prob path {>= 1}
-    grad_checkpointing: bool = False  # recompute each decoder layer's activations in backward
-    lora_rank: int = 0               # r: LoRA adapters on every linear layer of the decoder (attention's q, k, v, o,
-    #  the MLP's gate, up, down: which layers carry them matters more than r, TRL's docs found), the rest frozen;
-    #  0 = every weight trains
+    # after DAPO (Part 2), each off by default: OBJECTIVES gives each --loss's preset and own settings
+    loss: str = "dapo"               # the objective: dapo (Eq. 10, 12), or a later one (OBJECTIVES)
+    adv_estimator: str = "grpo"      # A_i from the group's rewards: grpo (Eq. 9) or a later one
+    #  (ADV_ESTIMATORS)
+    sapo_tau_pos: float = 1.0        # --loss sapo: the soft gate's temperature τ_pos where A > 0 {> 0}
+    sapo_tau_neg: float = 1.05       # --loss sapo: τ_neg, where A <= 0 {> 0}
+    dppo_anchor: str = "rollout"     # --loss dppo_*: the trust region's centre: rollout (π_rollout, the
+    #  authors' dppo_binary_*) or recompute (π_θold, their *_recompute); the ratio is π_θ / π_rollout either way
+    dppo_ratio_cap: float = 10.0     # --loss dppo_*: c, the ratio's truncation (the authors' loss; verl's
+    #  actor config: 3) {> 0}
+    clip_cov_ratio: float = 2e-4     # --loss clip_cov: the share of tokens whose gradient is cut {(0, 1]}
+    clip_cov_lb: float = 1.0         # --loss clip_cov: the covariance's lower bound for a cut token
+    clip_cov_ub: float = 5.0         # --loss clip_cov: the covariance's upper bound for a cut token {> 0}
+    kl_cov_ratio: float = 2e-4       # --loss kl_cov: the share of tokens that get the KL penalty {(0, 1]}
+    kl_cov_coef: float = 0.1         # --loss kl_cov: the penalty's coefficient on |log r| {> 0}
+    dual_clip: float = 0.0           # dual-clip PPO's c > 1: bounds the loss where A < 0 (the reference run:
+    #  10); 0 = off
+    kl_coef: float = 0.0             # β: GRPO's k3 KL penalty to the frozen initial policy (DAPO drops it,
+    #  Sec. 2.3); 0 = off, no reference model loaded
+    top_entropy_quantile: float = 1.0  # ρ: only the mini-batch's top-ρ entropy tokens bear the policy
+    #  loss; 1.0 = off, every token {(0, 1]}
+    tis_mode: str = "token_truncate"  # importance weights π_θold / π_rollout per token or per sequence:
+    #  token_truncate, token_mask, sequence_truncate or sequence_mask
+    tis_cap: float = 0.0             # the weights' upper bound C; 0 = off (the paper)
+    tis_min: float = 0.0             # the weights' lower bound; 0 = none
+    off_policy_mask: float = 0.0     # δ: drop the A < 0 sequences whose mean log π_rollout - log π_θ
+    #  exceeds δ; 0 = off
+    carry_surplus: bool = False      # groups that pass Eq. 11 beyond the batch's N train in the next step
+    #  (first, at most N/2 of them, one step old) instead of being dropped
+    skip_solved: int = 0             # set aside, for the rest of the run, a prompt whose G responses were all
+    #  right in each of its last K draws (while a generation batch's worth of prompts is left); 0 = off
+    lora_rank: int = 0               # r: LoRA adapters on every linear layer of the decoder (attention's q, k,
+    #  v, o, the MLP's gate, up, down), the rest frozen; 0 = every weight trains
     lora_alpha: float = 32.0         # α: the adapters' update is (α / r) B A {> 0}
-    attn_impl: str = ""              # trainer attention: flex_attention, flash_attention_2 or sdpa; "" = flex
-    #   on CUDA (sequences packed in one row, block-sparse masks), sdpa on CPU (rows, dense masks)
-    cpu_offload: bool = False        # CUDA only: keep sharded params, grads and optimizer state in CPU RAM
-    precision: str = ""              # bf16 (bf16 compute, fp32 master weights and reductions, an fp32 output
-    #  head) or fp32, in the trainer and vLLM alike; "" = bf16 on CUDA, fp32 on CPU
-    # engine and hardware
-    tp_size: int = 1                 # vLLM tensor-parallel size (TP groups = contiguous ranks) {>= 1}
-    gpu_memory_utilization: float = 0.6  # vLLM's share of GPU memory (weights + KV cache) {(0, 1]}
-    cpu_kv_cache_gb: float = 1.0     # vLLM KV cache on the CPU backend, GiB per rank {> 0}
-    vllm_sleep: bool = True          # CUDA only: free vLLM's memory while training
-    reward_timeout: float = 5.0      # hard per-item limit of the answer checker, seconds {> 0}
-    reward_workers: int = 2          # checker worker processes per rank {>= 1}
-    max_sync_diff: float = 0.1       # stop if the trainer's and vLLM's log-probs differ by more; 0 = off
-    #   (mean over the kept samples' tokens, nats: healthy bf16 runs report ~0.01-0.04, a broken sync 0.3+)
-    collective_timeout_min: float = 180.0  # minutes a rank may wait in a collective (torch: 30) {> 0}
-    deterministic: bool = False      # vLLM's batch-invariant kernels (CUDA) and torch's deterministic
-    #  algorithms (CPU runs are deterministic already)
-    # run
+    # the run: data, model, steps, evaluation, logging
+    model: str = ""                  # HF model dir or hub name; "" = the built-in tiny demo model
+    train_data: str = ""             # parquet (verl schema), JSONL or a .json array; "" = the built-in task
+    eval_data: str = ""              # held-out file, same formats; "" = built-in held-out split
+    dedup: bool = True               # drop repeated prompts (DAPO-Math-17k repeats each ~100x)
+    task: str = "add"                # built-in task: add (2-digit sums) or carry (1-5 columns, the ladder's)
+    reward: str = "reward:math_reward"  # R (Eq. 7): module:function or path/to/file.py:function, called as
+    #  fn(response, row) -> bool, number or dict (reward.py's docstring), in the checker's worker processes,
+    #  which import it at start-up; the trainer's never does. Default: reward.py's math checker
+    max_prompt_len: int = 2048       # longer prompts are dropped at load time {>= 1}
     steps: int = 200                 # rollout steps {>= 1}
     seed: int = 0                    # everything random derives from this (>= 0)
     eval_every: int = 0              # evaluate every N rollout steps; 0 = only before and after
@@ -170,6 +145,7 @@ class Config:
     eval_temperature: float = 1.0    # the paper's evaluation sampling {[0.01, 2]: vLLM's range}
     eval_top_p: float = 0.7          # the paper's evaluation sampling {(0, 1]}
     eval_max_prompts: int = 0        # evaluate on at most this many held-out prompts; 0 = all
+    out_dir: str = "runs/dapo"       # metrics, samples and checkpoints go here
     save_every: int = 0              # checkpoint every N rollout steps; 0 = only at the end
     keep_checkpoints: int = 2        # keep the last K checkpoints; 0 = keep all
     resume: bool = False             # continue from the latest checkpoint in out_dir
@@ -177,53 +153,31 @@ class Config:
     log_samples: int = 4             # sampled responses per step written to samples.jsonl; 0 = none
     wandb_project: str = ""          # log to Weights & Biases under this project (needs `pip install wandb`)
     demo_sft_target: float = 0.3     # demo only: the warm-start's target accuracy; 0 = none {[0, 1]}
-    save_dtype: str = ""             # dtype of the checkpoints' HF export: bfloat16 or float32; "" = bfloat16, and
-    #  float32 with --lora-rank (bf16 would round away the merged adapters' updates below half a bf16 step of W)
+    save_dtype: str = ""             # dtype of the checkpoints' HF export: bfloat16 or float32; "" = bfloat16,
+    #  and float32 with --lora-rank (bf16 would round the merged adapters' small updates away)
     hf_shard_gb: float = 5.0         # largest safetensors file of the Hugging Face export, GB {> 0}
-
-
-# The built-in task's settings, applied on the built-in model (no --model, or a saved demo model; a flag
-# given on the command line still wins). A 0.5M-parameter model needs a far larger lr than a 32B one.
-DEMO = dict(prompts_per_step=64, group_size=8, gen_batch_size=96, max_prompt_len=16,
-            max_response_len=8, overlong_cache_len=2, lr=3e-4, warmup_steps=20,
-            num_mini_batches=2, micro_batch_size=256, steps=250, eval_every=100, eval_samples=4,
-            eval_top_p=1.0, out_dir="runs/demo")
-# --task carry: written reasoning of 10 to 50 tokens, so each DAPO technique has something to act on.
-CARRY = dict(DEMO, prompts_per_step=32, gen_batch_size=48, max_response_len=96, overlong_cache_len=24,
-             lr=2e-4, steps=75, eval_every=25, demo_sft_target=0.25, out_dir="runs/carry")
-# --loss: DAPO's objective or a later one (policy_loss). "preset": its paper's values of shared flags (a
-# flag given wins); "ignores": the shared flags it has no use for (refused unless at their default). A
-# loss's own settings are the Config fields named after it (sapo_tau_pos). GSPO (Zheng et al. 2025): one
-# ratio per sequence, so a far narrower clip. CISPO (MiniMax-M1, 2025): no lower bound on the weight (its
-# ε_high is unpublished: DAPO's is kept). Dr. GRPO (Liu et al. 2025): PPO's clip. SAPO (arXiv
-# 2511.20347): a soft gate instead of a clip. DPPO (arXiv 2602.04879): ε is a bound on the change of the
-# token's probability (TV) or its binary KL, verl's thresholds. GMPO (arXiv 2507.20673): ε in log space.
-LOSSES = {"dapo": {},
-          "gspo": dict(preset=dict(eps_low=3e-4, eps_high=4e-4), ignores=("token_level_loss",)),
-          "cispo": dict(preset=dict(eps_low=1.0), ignores=("dual_clip",)),
-          "dr_grpo": dict(preset=dict(eps_high=0.2, adv_estimator="dr_grpo"), ignores=("token_level_loss",)),
-          "sapo": dict(ignores=("eps_low", "eps_high", "dual_clip", "token_level_loss")),
-          "dppo_tv": dict(preset=dict(eps_low=0.15, eps_high=0.15), ignores=("dual_clip",),
-                          own=("dppo_anchor", "dppo_ratio_cap")),
-          "dppo_kl": dict(preset=dict(eps_low=0.05, eps_high=0.05), ignores=("dual_clip",),
-                          own=("dppo_anchor", "dppo_ratio_cap")),
-          "gmpo": dict(preset=dict(eps_low=0.4, eps_high=0.4), ignores=("dual_clip", "token_level_loss"))}
-# --adv-estimator: how a group's rewards become advantages (group_advantages). GRPO's Eq. 9 divides by the
-# group's std; Dr. GRPO (Liu et al. 2025) drops the std; RLOO (Kool et al. 2019, Ahmadian et al. 2024) takes
-# each response's baseline from the OTHER G - 1 responses of its group.
-ADV_ESTIMATORS = {"grpo": "(R - mean) / std (Eq. 9)", "dr_grpo": "R - mean", "rloo": "R - mean of the others"}
-# Choice flags and their names: check_config refuses any other, so a new entry in a table needs nothing else.
-CHOICES = dict(task=("add", "carry"), loss=LOSSES, adv_estimator=ADV_ESTIMATORS,
-               tis_mode=("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
-               attn_impl=("", "flex_attention", "flash_attention_2", "sdpa"), save_dtype=("", "bfloat16", "float32"),
-               precision=("", "bf16", "fp32"), dppo_anchor=("rollout", "recompute"))
-# The laptop preset: tools/real_model.py's SmolLM2-135M-Instruct (its config says so) on 2 CPU cores, for
-# short answers (examples/fewshot_addition.py's sums learn with it in ~10 minutes); bf16 where the CPU has
-# bf16 instructions (twice as fast as fp32 there, and it learns as well: docs/real-model.md).
-LAPTOP = dict(max_prompt_len=256, max_response_len=32, overlong_cache_len=8, prompts_per_step=8, group_size=8,
-              gen_batch_size=16, num_mini_batches=2, micro_batch_size=16, lr=2e-5, warmup_steps=2, steps=12,
-              eval_every=2, eval_samples=4, cpu_kv_cache_gb=2.0, out_dir="runs/laptop",
-              precision="fp32" if check_data.cpu_lacks_bf16() else "bf16")
+    max_nonfinite: int = 10          # stop after this many steps in a row skipped for NaN/inf {>= 1}
+    max_sync_diff: float = 0.1       # stop if the trainer's and vLLM's log-probs differ by more; 0 = off
+    #   (mean over the kept samples' tokens, nats: healthy bf16 runs report ~0.01-0.04, a broken sync 0.3+)
+    reward_timeout: float = 5.0      # hard per-item limit of the answer checker, seconds {> 0}
+    reward_workers: int = 2          # checker worker processes per rank {>= 1}
+    # the hardware: memory, precision, parallelism, the engine
+    micro_batch_size: int = 4        # sequences per forward/backward on one rank {>= 1}
+    micro_batch_tokens: int = 0      # micro-batches by this budget of real tokens; 0 = by --micro-batch-size
+    logprob_chunk: int = 1024        # tokens per chunk of the memory-lean log-prob path {>= 1}
+    grad_checkpointing: bool = False  # recompute each decoder layer's activations in backward
+    cpu_offload: bool = False        # CUDA only: keep sharded params, grads and optimizer state in CPU RAM
+    precision: str = ""              # bf16 (bf16 compute, fp32 master weights and reductions, an fp32 output
+    #  head) or fp32, in the trainer and vLLM alike; "" = bf16 on CUDA, fp32 on CPU
+    attn_impl: str = ""              # trainer attention: flex_attention, flash_attention_2 or sdpa; "" = flex
+    #   on CUDA (sequences packed in one row, block-sparse masks), sdpa on CPU (rows, dense masks)
+    tp_size: int = 1                 # vLLM tensor-parallel size (TP groups = contiguous ranks) {>= 1}
+    gpu_memory_utilization: float = 0.6  # vLLM's share of GPU memory (weights + KV cache) {(0, 1]}
+    cpu_kv_cache_gb: float = 1.0     # vLLM KV cache on the CPU backend, GiB per rank {> 0}
+    vllm_sleep: bool = True          # CUDA only: free vLLM's memory while training
+    collective_timeout_min: float = 180.0  # minutes a rank may wait in a collective (torch: 30) {> 0}
+    deterministic: bool = False      # vLLM's batch-invariant kernels (CUDA) and torch's deterministic
+    #  algorithms (CPU runs are deterministic already)
 
 
 # -----------------------------------------------------------------------------------------
@@ -238,31 +192,102 @@ LAPTOP = dict(max_prompt_len=256, max_response_len=32, overlong_cache_len=8, pro
 #                          whether it counts as a success, for acc/mean, avg@k and pass@k)
 #   answer, metrics        --reward, where it gives them: what the response answered (maj@k); score/<name>
 #   failed                 --reward raised, crashed, overran or returned garbage (its score: the group's lowest)
-#   reward                 train: the score plus Eq. 13's penalty (shape_rewards)
+#   reward                 shape_rewards: the score plus Eq. 13's penalty
 #   adv                    set_advantages: A_i (Eq. 9, or --adv-estimator's)
 #   trained                overlong_filtering (Sec. 3.4): False masks the sample's loss
-#   trainer                send_to_trainers (Part 2): the rank that trains it; on every other rank the
-#                          sample is a stub (no tokens), which the update reads only for its length
-#   old_logp               old_logprobs (Part 2): log π_θold of each response token, before any update
-#   ref_logp, old_entropy  old_logprobs (Part 2): log π_ref (--kl-coef); π_θold's entropy (--top-entropy-
+#   trainer                to_trainers (Part 3): the rank that trains it; on every other rank the sample
+#                          is a stub (no tokens), which the update reads only for its length
+#   old_logp               old_logprobs (Part 3): log π_θold of each response token, before any update
+#   ref_logp, old_entropy  old_logprobs (Part 3): log π_ref (--kl-coef); π_θold's entropy (--top-entropy-
 #                          quantile)
-#   dummy                  micro_batches (Part 2): a zero-weight pad stub that keeps FSDP's ranks in step
+#   carried                --carry-surplus (Part 2): a group of the step before
+#   dummy                  micro_batches (Part 3): a zero-weight pad stub that keeps FSDP's ranks in step
+#
+# The run: what set_up (Part 3) builds for the loop. Key: what it holds.
+#   cfg, device            the Config; this rank's accelerator (or the CPU)
+#   llm, tokenizer, pad_id vLLM in this process (it samples from π_θold); the tokenizer; its padding id
+#   model, opt             π_θ, sharded with FSDP2 (fp32 master weights), and its AdamW
+#   train_rows, train_ids  the data rows and their prompts' token ids (eval_rows, eval_ids: held out)
+#   sampler                an endless shuffled pass over train_rows: take(k) gives k row indices
+#   state, ckpt            what a checkpoint saves (step, data order, the first evaluation); the one resumed
+#   carried, solved, ref   after DAPO (Part 2): --carry-surplus's groups, --skip-solved's record, π_ref
 
 
 # -----------------------------------------------------------------------------------------
-# The DAPO maths: pure functions, tensors in, tensors out.
+# The maths, in the paper's order (Eq. 7, the reward, is reward.py's): pure functions, tensors in and out.
 
-def group_advantages(rewards, group_size, estimator="grpo", eps=1e-6):
-    """A_i from the rewards of its group (ADV_ESTIMATORS). rewards: (B,), groups as contiguous blocks -> (B,).
-    grpo, Eq. 9: (R_i - mean(R_group)) / (std(R_group) + eps), unbiased std; dr_grpo: R_i - mean(R_group);
-    rloo: R_i - the mean of the other G - 1 rewards of its group, which is G / (G - 1) times dr_grpo's."""
+# What an objective reads of one micro-batch, per token, (B, T) each: Eq. 9's r_{i,t} ("ratio", and
+# its log) and Â_{i,t} ("adv", (B, 1): A_i on every token of o_i), the log-probs they come from, the
+# mask of the trained tokens, and vLLM's own log-probs (a later objective's; π_θold's if none read them).
+Tokens = NamedTuple("Tokens", [("logp", torch.Tensor), ("old_logp", torch.Tensor), ("log_ratio", torch.Tensor),
+                               ("ratio", torch.Tensor), ("adv", torch.Tensor), ("mask", torch.Tensor),
+                               ("rollout_logp", torch.Tensor)])
+# Eq. 12's denominator, decided once per mini-batch (loss_normaliser): each sample's mean first (GRPO),
+# or every token alike (DAPO), then divided by n, a count over the WHOLE mini-batch (every micro-batch
+# and rank), so that the micro-batch losses add up exactly.
+Normaliser = NamedTuple("Normaliser", [("per_sample", bool), ("n", float)])
+
+
+def policy_loss(logp, old_logp, advantages, mask, cfg, denom=None, more=None):
+    """Eq. 8, J_DAPO, over one micro-batch, as a loss to minimise: the token losses of Eq. 10 (or of a
+    later --loss, OBJECTIVES in Part 2), divided by Eq. 12's count (denom; None: this batch's tokens).
+    logp, old_logp, mask: (B, T); advantages: (B,). more: what the flags after DAPO add (Part 2's
+    loss_terms), None for the paper's objective. Returns (loss, stats)."""
+    log_ratio = torch.where(mask.bool(), logp - old_logp, 0.0).clamp(-20.0, 20.0)  # as verl: exp() stays finite
+    ratio = torch.exp(log_ratio)  # Eq. 9's r_{i,t} = π_θ(o_{i,t} | q, o_{i,<t}) / π_θold(o_{i,t} | q, o_{i,<t})
+    rollout = (more or {}).get("rollout_logp", old_logp)
+    t = Tokens(logp, old_logp, log_ratio, ratio, advantages.unsqueeze(-1), mask, rollout)
+    per_token, low, high, *own = OBJECTIVES[cfg.loss]["token_loss"](t, cfg)  # Eq. 10: dapo_token_loss
+    stats = own[0] if own else {}
+    per_token = adjust_token_losses(per_token, t, cfg, more or {}, stats)  # Part 2: none for the paper's
+    denom = denom or Normaliser(per_sample=False, n=mask.sum())
+    masked = per_token * mask
+    if denom.per_sample:  # GRPO: each sample weighs the same, whatever its length
+        total = (masked.sum(-1) / mask.sum(-1).clamp(min=1)).sum()
+    else:  # Eq. 12, DAPO's token-level loss: every token of the mini-batch weighs the same
+        total = masked.sum()
+    with torch.no_grad():  # means over the trained tokens
+        mean = lambda x: (x * mask).sum() / mask.sum().clamp(min=1)  # noqa: E731
+        stats.update({"clip/low_frac": mean(low), "clip/high_frac": mean(high),
+                      "approx_kl": mean(ratio - 1 - log_ratio)})  # k3 estimate of KL(π_θold || π_θ)
+    return total / max(float(denom.n), 1.0), stats
+
+
+def group_advantages(rewards, group_size, eps=1e-6):
+    """Eq. 9: Â_{i,t} = (R_i - mean(R_group)) / (std(R_group) + eps), the unbiased std, for every token t of
+    o_i. rewards: (B,), groups as contiguous blocks of G -> (B,)."""
     r = rewards.view(-1, group_size).float()
-    if estimator == "rloo":
-        return (r - (r.sum(1, keepdim=True) - r) / (group_size - 1)).view(-1)
-    adv = r - r.mean(1, keepdim=True)
-    if estimator == "grpo":  # Eq. 9
-        adv = adv / (r.std(1, keepdim=True, unbiased=True) + eps)
-    return adv.view(-1)
+    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True, unbiased=True) + eps)).view(-1)
+
+
+def dapo_token_loss(t, cfg):
+    """Eq. 10, Clip-Higher: -min(r Â, clip(r, 1 - ε_low, 1 + ε_high) Â) per token (t: Tokens), ε_high
+    decoupled from ε_low. The clip binds (no gradient) only on the side Â pushes; returns the token
+    losses and where it binds, below and above (bool (B, T), for clip/low_frac and clip/high_frac)."""
+    r, adv = t.ratio, t.adv
+    loss = -torch.min(r * adv, torch.clamp(r, 1 - cfg.eps_low, 1 + cfg.eps_high) * adv)
+    return loss, (r < 1 - cfg.eps_low) & (adv < 0), (r > 1 + cfg.eps_high) & (adv > 0)
+
+
+def dynamic_sampling_mask(scores, group_size, rtol=1e-4):
+    """Eq. 11's 0 < |{o_i : is_equivalent(a, o_i)}| < G, on the rewards before Eq. 13 (whose length penalty
+    would set apart almost any group): the groups whose rewards differ, exactly Eq. 11 for ±1, and for a
+    graded reward the groups with a spread. A spread of at most rtol times the batch's largest |reward| is
+    float noise: Eq. 9 would blow it up into full-size advantages. (B,) -> (B // G,) bool."""
+    r = scores.view(-1, group_size).float()
+    return r.amax(1) - r.amin(1) > rtol * scores.abs().max()
+
+
+def loss_normaliser(mini, cfg):
+    """Eq. 12's denominator for a mini-batch (`mini`: every rank's samples): all its trained tokens; off,
+    GRPO's count of samples (each sample's mean first); a later objective's own (OBJECTIVES)."""
+    trained = [s for s in mini if s["trained"]]
+    how = OBJECTIVES[cfg.loss].get("norm") or ("token" if cfg.token_level_loss else "sample")
+    if how == "max_len":  # a constant, L_max x samples (Dr. GRPO)
+        return Normaliser(per_sample=False, n=cfg.max_response_len * len(mini))
+    if how == "sample":
+        return Normaliser(per_sample=True, n=len(trained))
+    return Normaliser(per_sample=False, n=sum(s["len"] for s in trained))  # Eq. 12
 
 
 def overlong_penalty(lengths, max_len, cache_len):
@@ -273,248 +298,71 @@ def overlong_penalty(lengths, max_len, cache_len):
     return torch.where(lengths > max_len, torch.full_like(lengths, -1.0), soft.clamp(max=0.0))
 
 
-def dynamic_sampling_mask(scores, group_size, rtol=1e-4):
-    """Eq. 11's 0 < |{o_i : is_equivalent(a, o_i)}| < G on the rewards before Eq. 13 (whose length penalty
-    would set apart almost any group): the groups whose rewards differ, which for ±1 is exactly Eq. 11 and
-    for a graded reward the groups with a spread (as verl's). A spread of at most rtol times the largest
-    |reward| of the batch is float noise, not a spread: Eq. 9 would blow it up to full-size advantages.
-    (B,) -> (B // G,) bool."""
-    r = scores.view(-1, group_size).float()
-    return r.amax(1) - r.amin(1) > rtol * scores.abs().max()
+def overlong_filtering(samples, cfg):
+    """Sec. 3.4, overlong filtering: a truncated sample teaches nothing; its loss is masked."""
+    for s in samples:
+        s["trained"] = not (cfg.overlong_filtering and s["truncated"])
 
 
-# The objective per token. ratio: (B, T), r_t = π_θ / π_θold; adv: (B, 1). Each returns the token
-# losses to minimise and where its clip binds, below and above (bool (B, T), for clip/low_frac, high_frac).
-
-def dapo_token_loss(ratio, adv, eps_low, eps_high):
-    """Eq. 10: -min(r A, clip(r, 1 - ε_low, 1 + ε_high) A); Clip-Higher decouples ε_high from ε_low.
-    The clip binds (no gradient) only on the side A pushes. Dr. GRPO's too, with ε_high = ε_low."""
-    loss = -torch.min(ratio * adv, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv)
-    return loss, (ratio < 1 - eps_low) & (adv < 0), (ratio > 1 + eps_high) & (adv > 0)
-
-
-def gspo_token_loss(logp, log_ratio, mask, adv, eps_low, eps_high):
-    """GSPO (Zheng et al. 2025, GSPO Eq. 5-7): one ratio per sequence, s_i = exp(mean_t log r_t), clipped
-    whole by Eq. 10's clip: every token of a clipped sequence binds. As verl's, each token carries it as
-    s_i,t = sg[s_i] π_θ / sg[π_θ]: the value s_i, and the gradient of its own token alone (the same sum),
-    so that a token selection (--top-entropy-quantile) holds."""
-    seq = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
-    return dapo_token_loss(torch.exp(seq.detach() + logp - logp.detach()), adv, eps_low, eps_high)
-
-
-def cispo_token_loss(ratio, logp, adv, eps_low, eps_high):
-    """CISPO (MiniMax-M1 2025, Eq. 4): -sg(clip(r, 1 - ε_low, 1 + ε_high)) A log π_θ: a detached, capped
-    weight, so every token keeps a gradient. Its clip binds where the weight is capped, whatever A."""
-    loss = -torch.clamp(ratio, 1 - eps_low, 1 + eps_high).detach() * adv * logp
-    return loss, ratio < 1 - eps_low, ratio > 1 + eps_high
-
-
-def sapo_token_loss(ratio, adv, tau_pos, tau_neg):
-    """SAPO (arXiv 2511.20347): the soft gate -sigmoid(τ (r - 1)) 4/τ A (τ_pos if A > 0, else τ_neg) gives the
-    unclipped gradient times 4 σ(1 - σ): 1 at r = 1, fading both sides; clip/*: where it fell under 1/2."""
-    tau = torch.full_like(adv, tau_neg).masked_fill(adv > 0, tau_pos)
-    gate = torch.sigmoid(tau * (ratio - 1))
-    faded = 4 * gate * (1 - gate) < 0.5
-    return -gate * (4 / tau) * adv, faded & (ratio < 1), faded & (ratio > 1)
-
-
-def dppo_token_loss(logp, rollout_logp, anchor_logp, adv, eps_low, eps_high, kind, cap):
-    """DPPO (arXiv 2602.04879; the authors' Stable-RL code, and verl's dppo_tv and dppo_kl): the policy
-    gradient -sg(min(π_θ / π_rollout, c)) A log π_θ, truncated at c, kept where the sampled token's
-    probability stays in a trust region around the anchor (π_rollout, the authors' default, or π_θold, their
-    *_recompute variants), measured on the probability, not on r. Only the side A pushes is bounded. tv:
-    π_θ - π_anchor up to ε_high (A > 0), down to -ε_low; kl: the KL between Bernoulli(π_anchor) and
-    Bernoulli(π_θ) up to ε_high / ε_low. clip/*: where the region binds."""
-    weight = torch.exp((logp.detach() - rollout_logp).clamp(max=20.0)).clamp(max=cap)
-    p, q = torch.exp(logp.detach()), torch.exp(anchor_logp)
-    if kind == "tv":
-        out_up, out_down = p - q > eps_high, p - q < -eps_low
-    else:  # the binary KL, with verl's 1e-8 guarding log(0)
-        kl = q * (anchor_logp - logp.detach()) + (1 - q) * torch.log((1 - q + 1e-8) / (1 - p + 1e-8))
-        out_up, out_down = (kl > eps_high) & (p > q), (kl > eps_low) & (p < q)
-    high, low = out_up & (adv > 0), out_down & (adv <= 0)
-    return -adv * weight * logp * ~(low | high), low, high
-
-
-def gmpo_token_loss(log_ratio, mask, adv, eps_low, eps_high):
-    """GMPO (arXiv 2507.20673; verl's geo_mean): one ratio per sequence, the geometric mean of its token
-    ratios, each token's log r clipped to [-ε_low, ε_high] on the side A pushes (a log-space clip: preset
-    0.4); -A exp(mean_t clipped log r). As GSPO's, each token carries it with its own token's gradient
-    alone (sg[s_i] exp(log r_t - sg[log r_t]), 0 where clipped): the same sum, and a selection holds."""
-    clipped = log_ratio.clamp(-eps_low, eps_high)
-    kept = torch.where(adv > 0, torch.minimum(log_ratio, clipped), torch.maximum(log_ratio, clipped))
-    seq = (kept * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
-    loss = -adv * torch.exp(seq.detach() + kept - kept.detach())
-    return loss, (log_ratio < -eps_low) & (adv < 0), (log_ratio > eps_high) & (adv > 0)
-
-
-def geometric_mean(weight, mask):
-    """Per-token weights as one per sequence, their geometric mean (verl's GMPO: a sequence-level ratio
-    takes a sequence-level weight; weights 2 and 0.5 give 1). (B, T) -> (B, 1)."""
-    n = mask.sum(-1, keepdim=True).clamp(min=1)
-    return torch.exp((torch.log(weight + 1e-10) * mask).sum(-1, keepdim=True) / n)
-
-
-# How a mini-batch's token losses are averaged (loss_normaliser decides, once per mini-batch): per_sample,
-# each sample's mean first (GRPO), or every token alike (Eq. 12); then divided by n, a count over the
-# WHOLE mini-batch (every micro-batch and rank), so that the micro-batch losses add up exactly.
-Normaliser = NamedTuple("Normaliser", [("per_sample", bool), ("n", float)])
-
-
-def policy_loss(logp, old_logp, advantages, mask, cfg, norm=None, weight=None, ref_logp=None, rollout_logp=None,
-                select=None):
-    """The --loss objective over one micro-batch, as a loss to minimise. logp, old_logp, mask: (B, T);
-    advantages: (B,); norm: a Normaliser (None: this batch's token mean); weight: detached per-token
-    factors; ref_logp: log π_ref for --kl-coef; rollout_logp: vLLM's log-probs (DPPO; None: π_θold's);
-    select: 0/1 per token, the tokens that carry the policy loss (--top-entropy-quantile). Returns (loss, stats)."""
-    log_ratio = torch.where(mask.bool(), logp - old_logp, 0.0)  # padding never reaches exp()
-    log_ratio = log_ratio.clamp(-20.0, 20.0)  # as verl: a wild token cannot overflow exp()
-    ratio = torch.exp(log_ratio)  # r_t = π_θ / π_θold, per token
-    adv = advantages.unsqueeze(-1)  # A_i, on every token of sample i (Eq. 9)
-    if cfg.loss == "gspo":
-        per_token, low, high = gspo_token_loss(logp, log_ratio, mask, adv, cfg.eps_low, cfg.eps_high)
-    elif cfg.loss == "cispo":
-        per_token, low, high = cispo_token_loss(ratio, logp, adv, cfg.eps_low, cfg.eps_high)
-    elif cfg.loss == "sapo":
-        per_token, low, high = sapo_token_loss(ratio, adv, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
-    elif cfg.loss in ("dppo_tv", "dppo_kl"):
-        rollout = old_logp if rollout_logp is None else rollout_logp
-        anchor = rollout if cfg.dppo_anchor == "rollout" else old_logp
-        per_token, low, high = dppo_token_loss(logp, rollout, anchor, adv, cfg.eps_low, cfg.eps_high, cfg.loss[5:],
-                                               cfg.dppo_ratio_cap)
-    elif cfg.loss == "gmpo":
-        per_token, low, high = gmpo_token_loss(log_ratio, mask, adv, cfg.eps_low, cfg.eps_high)
-    else:  # DAPO (Clip-Higher, Eq. 10); Dr. GRPO
-        per_token, low, high = dapo_token_loss(ratio, adv, cfg.eps_low, cfg.eps_high)
-    if cfg.dual_clip:  # dual-clip PPO (the reference run's c = 10): an A < 0 token's loss is at most -c A
-        per_token = torch.where(adv < 0, torch.minimum(per_token, -cfg.dual_clip * adv), per_token)
-    if weight is not None:  # a sequence-level ratio takes one weight per sequence (GMPO, as verl's)
-        per_token = per_token * (geometric_mean(weight, mask) if cfg.loss == "gmpo" else weight)
-    if select is not None:
-        per_token = per_token * select
-    if ref_logp is not None:  # GRPO's KL penalty (Sec. 2.3 drops it): k3, an estimate of KL(π_θ || π_ref)
-        kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
-        per_token = per_token + cfg.kl_coef * kl
-    norm = norm or Normaliser(per_sample=False, n=mask.sum())
-    masked = per_token * mask
-    if norm.per_sample:  # GRPO, GSPO, SAPO: each sample weighs the same, whatever its length
-        total = (masked.sum(-1) / mask.sum(-1).clamp(min=1)).sum()
-    else:  # DAPO (token-level loss, Eq. 12): every token of the mini-batch weighs the same
-        total = masked.sum()
-    loss = total / max(float(norm.n), 1.0)
-    with torch.no_grad():  # means over the trained tokens
-        mean = lambda x: (x * mask).sum() / mask.sum().clamp(min=1)  # noqa: E731
-        stats = {"clip/low_frac": mean(low), "clip/high_frac": mean(high),
-                 "approx_kl": mean(ratio - 1 - log_ratio)}  # k3 estimate of KL(π_θold || π_θ)
-        if ref_logp is not None:
-            stats["kl/ref"] = mean(kl)
-    return loss, stats
-
-
-def tis_weights(old_logp, rollout_logp, mask, cap, mode="token_truncate", floor=0.0):
-    """Rollout correction (verl; TRL's vllm_importance_sampling_mode): vLLM samples from π_rollout, a little
-    off π_θold, so the loss is weighted by ρ = π_θold / π_rollout per token or per sequence (the product of
-    its token ratios, as a sum of logs), clamped to [floor, cap] (*_truncate) or zeroed outside (*_mask)."""
-    log_w = torch.where(mask.bool(), old_logp - rollout_logp, 0.0)
-    if mode.startswith("sequence"):
-        log_w = log_w.sum(-1, keepdim=True)
-    raw = torch.exp(log_w.clamp(max=20.0)).detach()
-    out = (raw > cap) | (raw < floor)
-    w = raw.clamp(min=floor, max=cap) if mode.endswith("truncate") else torch.where(out, 0.0, raw)
-    hit, n = out.float() * mask, mask.sum().clamp(min=1)
-    return w, {"tis/weight_mean": (w * mask).sum() / n, "tis/clipped_frac": hit.sum() / n,
-               "tis/clipped_seq_frac": hit.amax(-1).sum() / mask.amax(-1).sum().clamp(min=1)}
-
-
-def off_policy_mask(logp, rollout_logp, adv, mask, delta):
-    """DeepSeek-V3.2 (arXiv 2512.02556, Eq. 9), as TRL computes it: keep a sequence unless A < 0 and the
-    mean of log π_rollout - log π_θ (detached) over its tokens exceeds δ: too far off-policy to learn."""
-    n = mask.sum(-1, keepdim=True).clamp(min=1)
-    kl = ((rollout_logp - logp.detach()) * mask).sum(-1, keepdim=True) / n
-    keep, trained = ((adv >= 0) | (kl <= delta)).float(), mask.amax(-1, keepdim=True)
-    return keep, {"offpolicy/dropped_seq_frac": ((1 - keep) * trained).sum() / trained.sum().clamp(min=1)}
-
-
-def entropy_threshold(entropies, rho):
-    """Beyond the 80/20 rule (arXiv 2506.01939): the (1 - ρ) quantile of the mini-batch's token
-    entropies (linear, as torch.quantile and TRL); the tokens at or above it carry the loss."""
-    return float(np.quantile(entropies.double().numpy(), 1 - rho)) if entropies.numel() else math.inf
+def warmup_lr(step, cfg):
+    """Sec. 4.1's schedule: a constant lr after a linear warm-up over the first warmup_steps rollout steps,
+    from lr / warmup_steps (not 0). step counts from 0."""
+    return cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
 
 
 # -----------------------------------------------------------------------------------------
 # The loop: the paper's Algorithm 1
 
 def train(cfg):
-    """The paper's Algorithm 1. Returns the held-out metrics (before, after)."""
-    run = set_up(cfg)  # Part 2: checks, data, vLLM, the sharded policy and optimizer, resume, logs
+    """Algorithm 1, its line numbers in the comments. Returns the held-out metrics (before, after)."""
+    run = set_up(cfg)  # Part 3: checks, data, vLLM, the sharded policy and optimizer, resume, logs
     if cfg.eval_only:
         return evaluate(run, os.path.basename(run.path.rstrip("/")) or "model"), {}
     if not run.ckpt:
         run.state["first_eval"] = evaluate(run, "before")
-    last = None
-    for step in progress(run):  # Part 2: the rollout steps left, with a progress bar
-        ticks = [time.perf_counter()]
+    after = None
+    for step in steps_left(run):  # 1: for step = 1, ..., M (Part 3: with a progress bar)
 
-        def generate(idx, b):  # G responses to each prompt of generation batch b, scored (Eq. 7)
+        def draw(idx, b):  # 2, 4, 5: G responses to each prompt idx from π_θold, and their rewards (Eq. 7)
             return sample_groups(run, run.train_rows, run.train_ids, idx, cfg.group_size, cfg.temperature,
                                  cfg.top_p, (cfg.seed, step, b))
 
-        # 1. Sample and filter (Eq. 11): generation batches until N groups are kept; shape every reward.
-        kept, surplus, seen, metrics = collect_batch(generate, run.sampler, cfg, run.carried)
-        if cfg.carry_surplus:  # Part 2: at most N // 2 groups; their tokens stay where they are
-            run.carried, metrics["filter/surplus_dropped"] = carry(surplus, cfg.prompts_per_step // 2)
-        if cfg.skip_solved:  # prompts the model always solves leave the pool (Sampler.set_aside, Part 2)
-            metrics["filter/set_aside"] = run.sampler.set_aside(set_aside_solved(run.solved, seen, cfg.skip_solved))
-        generated = [s for g in seen for s in g]
-        for s, r in zip(generated, shape_rewards(generated, cfg).tolist()):
-            s["reward"] = r
-        # 2. Advantages (Eq. 9), the overlong filter; send_to_trainers (Part 2): tokens to their trainer.
+        # 6-7: Eq. 11 keeps the groups whose rewards differ, generation batch after batch, until N are kept
+        kept, surplus, generated, metrics = collect_batch(draw, run.sampler, cfg, run.carried)
+        after_rollout(run, surplus, generated, metrics)  # Part 2: --carry-surplus, --skip-solved
+        shape_rewards([s for g in generated for s in g], cfg)  # Eq. 13, added to Eq. 7's reward
         samples = [s for g in kept for s in g]
-        metrics["batch/effective_groups"] = set_advantages(samples, cfg)
-        overlong_filtering(samples, cfg)
-        metrics["comm/bytes_received"] = send_to_trainers(samples, cfg, metrics.pop("comm/meta_bytes"))
-        # 3. μ gradient updates (Eq. 10, 12), with linear warm-up over rollout steps.
-        lr = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
-        for g in run.opt.param_groups:
-            g["lr"] = lr
-        if run.sleep:  # PLUMBING (CUDA): vLLM frees its weights and KV cache while the trainer works
-            run.llm.sleep(level=2)
-        ticks.append(time.perf_counter())
-        metrics.update(update_policy(run, samples))
-        ticks.append(time.perf_counter())
-        # 4. Push the new weights into vLLM (push_weights, Part 2).
-        metrics["sync/bytes"] = push_weights(run)
-        ticks.append(time.perf_counter())
-        # 5. Evaluate (the last step's is "after"); log_step and save_checkpoint (Part 2) write the logs and
-        # the checkpoint.
-        evals = {}
-        if step + 1 == cfg.steps:
-            evals = last = evaluate(run, "after")
+        metrics["batch/effective_groups"] = set_advantages(samples, cfg)  # 8: Â_{i,t} (Eq. 9)
+        overlong_filtering(samples, cfg)  # Sec. 3.4
+        to_trainers(run, samples, metrics)  # Part 3: each sample's tokens to the rank that trains it
+        metrics.update(update_policy(run, samples, step))  # 9-10: μ updates of π_θ, maximising Eq. 8
+        metrics.update(push_weights(run))  # 3, for the next step: π_θold <- π_θ, into vLLM (Part 3)
+        if step + 1 == cfg.steps:  # the held-out evaluation, then the logs and the checkpoint (Part 3)
+            evals = after = evaluate(run, "after")
         elif cfg.eval_every and (step + 1) % cfg.eval_every == 0:
             evals = evaluate(run, f"step {step + 1}")
-        log_step(run, step + 1, metrics, generated, samples, lr, ticks, evals)
-        if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
-            save_checkpoint(run, step + 1)
-    first = run.state["first_eval"]
-    if last is None:  # resumed at the last step: no step ran
-        last = evaluate(run, "after")
-    if first and last:
+        else:
+            evals = {}
+        log_step(run, step + 1, metrics, generated, samples, evals)
+        save_checkpoint(run, step + 1)  # every --save-every steps, and after the last
+    first, after = run.state["first_eval"], after or evaluate(run, "after")  # resumed at the end: no step ran
+    if first and after:
         key = f"eval/avg@{cfg.eval_samples}"
-        print0(f"held-out accuracy: before {first[key]:.2f} -> after {last[key]:.2f}")
-    return first, last
+        print0(f"held-out accuracy: before {first[key]:.2f} -> after {after[key]:.2f}")
+    return first, after
 
 
 # -----------------------------------------------------------------------------------------
 # Rollout: generate with vLLM, score with reward.py, then dynamic sampling
 
 def sample_groups(run, rows, prompt_ids, idx, n, temperature, top_p, key):
-    """n scored responses for each prompt rows[i], i in idx. Each data-parallel vLLM group generates
-    and scores its share; every rank then gets every group back, in order, but a response's tokens
-    ("response_ids", "vllm_logp") stay on the rank "src" that generated it (share_groups, Part 2)."""
+    """n scored responses to each prompt rows[i], i in idx. Each data-parallel vLLM group generates and
+    scores its share; every rank then gets every group back, in order, but a response's tokens stay on
+    the rank "src" that generated it (share_groups, Part 3). Returns (groups, stats)."""
     cfg = run.cfg
-    mine = my_prompts(len(idx), cfg.tp_size)  # Part 2: the TP ranks of a group share prompts and seeds
+    mine = my_prompts(len(idx), cfg.tp_size)  # Part 3: the TP ranks of a group share prompts and seeds
     t0 = time.perf_counter()
-    local = generate(run, [prompt_ids[idx[j]] for j in mine], n, temperature, top_p, key)  # Part 2: vLLM
+    local = generate(run, [prompt_ids[idx[j]] for j in mine], n, temperature, top_p, key)  # Part 3: vLLM
     t1 = time.perf_counter()
     # Eq. 7 (R = ±1: is_equivalent(answer, truth)), or --reward's fn(response, row), under --reward-timeout
     try:
@@ -525,152 +373,113 @@ def sample_groups(run, rows, prompt_ids, idx, n, temperature, top_p, key):
     for s, r in zip(local, results):
         s["score"], s["success"] = r["reward"], r["success"]
         s.update((k, r[k]) for k in ("answer", "metrics", "failed") if k in r)
-    times = {"time/rollout": t1 - t0, "time/reward": time.perf_counter() - t1,
-             "reward/timeouts": rstats["timeouts"], "reward/errors": rstats["errors"],
-             "gen/tokens": sum(s["len"] for s in local),
+    stats = {"time/rollout": t1 - t0, "time/reward": time.perf_counter() - t1, "reward/timeouts": rstats["timeouts"],
+             "reward/errors": rstats["errors"], "gen/tokens": sum(s["len"] for s in local),
              "gen/nll": -sum(sum(s["vllm_logp"]) for s in local)}  # / gen/tokens: ALL tokens' entropy
-    return share_groups(local, idx, prompt_ids, n, times, cfg.tp_size)
-
-
-def shape_rewards(samples, cfg):
-    """The reward's score (Eq. 7: +1 correct, -1 otherwise) plus, with soft overlong punishment, Eq. 13."""
-    r = torch.tensor([float(s["score"]) for s in samples])
-    if cfg.soft_overlong_punishment:  # DAPO (soft overlong punishment, Eq. 13)
-        lengths = torch.tensor([s["len"] for s in samples])
-        r = r + overlong_penalty(lengths, cfg.max_response_len, cfg.overlong_cache_len)
-    return r
+    return share_groups(run, local, idx, prompt_ids, n, stats)
 
 
 def collect_batch(sample_fn, sampler, cfg, carried=()):
-    """Algorithm 1, lines 3-8: generation batches until N groups pass the dynamic-sampling filter, or until
-    the batches left could not fill it at twice the keep rate so far. carried: the last step's surplus
-    (--carry-surplus, fewer than N groups: carry), used first, after at least one generation batch; a carried
-    group keeps its rewards and so its advantages (Eq. 9 over its own complete group): only π_θold,
-    recomputed for every sample, is new. Returns (kept, surplus: the new groups past N, seen: every generated
-    group, stats). sample_fn(prompt indices, batch no) -> (groups, stats)."""
+    """Algorithm 1, lines 2-7: generation batches until N groups pass Eq. 11, or until the batches left
+    could not fill it at twice the keep rate so far. sample_fn(prompt indices, batch no) -> (groups, stats).
+    carried: groups of the step before (--carry-surplus, fewer than N), taken first. Returns (the N kept
+    groups, the surplus: the new groups past N, every group generated, stats)."""
     G, N = cfg.group_size, cfg.prompts_per_step
     size = cfg.gen_batch_size if cfg.dynamic_sampling else N
-    kept, seen, passed, times, b = list(carried), [], [], {}, 0
-    while b == 0 or len(kept) < N:  # at least one generation batch: every step is on-policy in part
+    kept, generated, passed, stats, b = list(carried), [], [], {}, 0
+    while len(kept) < N:
         if b == cfg.max_gen_batches:
-            raise too_few_groups(len(kept), seen, b, cfg)  # Part 2: the error, with what to change
+            raise too_few_groups(len(kept), generated, b, cfg)  # Part 3: the error, with what to change
         groups, t = sample_fn(sampler.take(size), b)
         b += 1
-        times = {k: times.get(k, 0) + v for k, v in t.items()}
-        seen += groups
+        stats = {k: stats.get(k, 0) + v for k, v in t.items()}
+        generated += groups
         mixed = dynamic_sampling_mask(torch.tensor([s["score"] for g in groups for s in g]), G).tolist()
         passed += mixed
-        if cfg.dynamic_sampling:  # DAPO (dynamic sampling, Eq. 11): on the score, not the shaped reward
+        if cfg.dynamic_sampling:  # Eq. 11, on the score, not the shaped reward
             groups = [g for g, k in zip(groups, mixed) if k]
         kept += groups
-        if len(kept) < N and len(kept) + 2 * (cfg.max_gen_batches - b) * size * sum(passed) / len(seen) < N:
-            raise too_few_groups(len(kept), seen, b, cfg)
-    stats = {"filter/kept_frac": sum(passed) / max(1, len(seen)), "filter/gen_batches": b,
-             "filter/carried": len(carried), **times}
-    return kept[:N], kept[N:], seen, stats
+        if len(kept) < N and len(kept) + 2 * (cfg.max_gen_batches - b) * size * sum(passed) / len(generated) < N:
+            raise too_few_groups(len(kept), generated, b, cfg)
+    stats.update({"filter/kept_frac": sum(passed) / len(generated), "filter/gen_batches": b,
+                  "filter/carried": len(carried)})
+    return kept[:N], kept[N:], generated, stats
 
 
-def set_aside_solved(record, seen, k):
-    """--skip-solved K: the rows of the prompts whose G responses were all right in each of their last K draws
-    (prime-rl, SkyRL and open-instruct skip such prompts: they only ever give all-equal groups). record:
-    {row: all-right draws in a row}, updated with this step's generated groups."""
-    out = []
-    for g in seen:
-        row = g[0]["row"]
-        record[row] = record.get(row, 0) + 1 if all(s["success"] for s in g) else 0
-        if record[row] >= k:
-            out.append(row)
-    return out
+def shape_rewards(samples, cfg):
+    """Each sample's "reward": its score (Eq. 7: +1 correct, -1 otherwise) plus Eq. 13's length penalty,
+    where the soft overlong punishment is on. Returns them, (B,)."""
+    r = torch.tensor([float(s["score"]) for s in samples])
+    if cfg.soft_overlong_punishment:
+        r = r + overlong_penalty(torch.tensor([s["len"] for s in samples]), cfg.max_response_len,
+                                 cfg.overlong_cache_len)
+    for s, x in zip(samples, r.tolist()):
+        s["reward"] = x
+    return r
 
 
 def set_advantages(samples, cfg):
-    """Eq. 9 (or --adv-estimator's) on the kept groups' shaped rewards, into each sample's "adv". Returns
-    the effective batch: the groups whose advantages are not all zero (they carry a gradient)."""
-    adv = group_advantages(torch.tensor([s["reward"] for s in samples]), cfg.group_size, cfg.adv_estimator)
+    """Eq. 9 (or --adv-estimator's, ADV_ESTIMATORS in Part 2) on the kept groups, into each sample's "adv".
+    Returns how many groups have advantages that are not all zero (they carry a gradient)."""
+    estimator = ADV_ESTIMATORS[cfg.adv_estimator]  # grpo: group_advantages, on the shaped rewards
+    adv = estimator["fn"](torch.tensor([float(s[estimator["reads"]]) for s in samples]), cfg.group_size)
     for s, a in zip(samples, adv.tolist()):
         s["adv"] = a
     return int((adv.view(-1, cfg.group_size) != 0).any(1).sum())
 
 
-def overlong_filtering(samples, cfg):
-    """Sec. 3.4: which samples are trained on ("trained"); the others' loss is masked."""
-    for s in samples:  # DAPO (overlong filtering, Sec. 3.4): a truncated sample teaches nothing
-        s["trained"] = not (cfg.overlong_filtering and s["truncated"])
-
-
 # -----------------------------------------------------------------------------------------
-# Update: old log-probs, then μ gradient steps with the exact token-level normaliser
+# Update: π_θold, then μ gradient steps with the exact token-level normaliser
 
-def loss_normaliser(mini, cfg):
-    """How the token losses of a mini-batch are averaged, for every --loss, decided once over ALL of
-    the mini-batch (every micro-batch and rank)."""
-    trained = [s for s in mini if s["trained"]]
-    if cfg.loss == "dr_grpo":  # Dr. GRPO: a constant, L_max x samples: no length bias either way
-        return Normaliser(per_sample=False, n=cfg.max_response_len * len(mini))
-    if cfg.loss in ("gspo", "sapo", "gmpo") or not cfg.token_level_loss:  # GSPO, SAPO, GMPO (their papers), GRPO
-        return Normaliser(per_sample=True, n=len(trained))
-    return Normaliser(per_sample=False, n=sum(s["len"] for s in trained))  # DAPO (Eq. 12): all tokens
-
-
-def policy_gradient(model, mini, micros, cfg, pad_id, device, entropy_floor=None):
-    """Accumulate the gradient of Eq. 12 for one mini-batch (`mini`: all ranks' samples; `micros`: this
-    rank's). Returns (this rank's sums of the statistics, by name; the mini-batch's trained tokens)."""
-    norm = loss_normaliser(mini, cfg)
-    sums = {}
-    for mb in micros:
-        batch = collate(mb, pad_id, device, packs_one_row(cfg))  # Part 2: the sequences, packed in rows
-        logp, ent = model.forward_logprobs(batch, cfg.temperature, cfg.logprob_chunk)  # Part 2: (B, R)
-        old = old_logp_of(mb, logp)  # Part 2: π_θold; the first mini-batch's is this pass, detached
-        mask = batch["mask"] * torch.tensor([float(s["trained"]) for s in mb], device=device)[:, None]
-        adv = torch.tensor([s["adv"] for s in mb], device=device)
-        factors, st, chosen = [], {}, None  # per-token factors, each off by default (the paper's objective)
-        rollout = None  # vLLM's log-probs: what the corrections and DPPO read (Part 2: rows = lists, padded)
-        if cfg.tis_cap or cfg.off_policy_mask or cfg.loss.startswith("dppo"):
-            rollout = rows(mb, "vllm_logp", device)
-        if cfg.tis_cap:  # correct for vLLM's sampling policy
-            factors.append(tis_weights(old, rollout, mask, cfg.tis_cap, cfg.tis_mode, cfg.tis_min))
-        if cfg.off_policy_mask:  # drop the negative samples far off-policy
-            factors.append(off_policy_mask(logp, rollout, adv[:, None], mask, cfg.off_policy_mask))
-        if entropy_floor is not None:  # the mini-batch's top-ρ entropy tokens alone (π_θold's entropy)
-            chosen = (rows(mb, "old_entropy", device) >= entropy_floor).float()
-            st["entropy/selected_frac"] = (chosen * mask).sum() / mask.sum().clamp(min=1)
-        st.update({k: v for _, f_stats in factors for k, v in f_stats.items()})
-        ref = rows(mb, "ref_logp", device) if cfg.kl_coef else None
-        loss, loss_stats = policy_loss(logp, old, adv, mask, cfg, norm, math.prod(f for f, _ in factors)
-                                       if factors else None, ref, rollout, chosen)
-        (loss * world()).backward()  # PLUMBING: FSDP2 averages gradients over ranks; Eq. 12 wants the sum
-        n = mask.sum().item()
-        st.update(loss_stats, entropy=(ent * mask).sum() / max(n, 1.0))
-        add_stats(sums, st, n, float(sum(s["trained"] for s in mb)), loss.item())  # Part 2: sums by name
-    return sums, sum(s["len"] for s in mini if s["trained"])
-
-
-def update_policy(run, samples):
-    """μ = num_mini_batches AdamW steps on the batch (each sample carries "adv" and "trained"). A mini-
-    batch with a non-finite loss or gradient norm on any rank, or no trained token, steps no optimizer."""
-    cfg = run.cfg
-    minis, plan = micro_batches(samples, cfg)  # Part 2: each mini-batch, and this rank's micro-batches
-    totals, grad_norms, skipped = None, [], 0
-    with tf32_head(run.device, cfg):  # Part 2: on CUDA in bf16, the fp32 head as a TF32 GEMM (an exact forward)
-        old_logprobs(run, plan)  # Part 2: π_θold before any update (and π_ref, π_θold's entropies)
-        for mini, micros in zip(minis, plan):
-            rho = cfg.top_entropy_quantile  # < 1: one threshold over every rank's tokens (all_entropies)
-            floor = entropy_threshold(all_entropies(micros), rho) if rho < 1 else None
+def update_policy(run, samples, step):
+    """Algorithm 1, lines 9-10: μ = num_mini_batches AdamW steps on the batch (each sample carries "adv" and
+    "trained"), at the warm-up's learning rate. A mini-batch with a non-finite loss or gradient norm on any
+    rank, or no trained token, steps no optimizer."""
+    cfg, lr = run.cfg, warmup_lr(step, run.cfg)
+    for g in run.opt.param_groups:
+        g["lr"] = lr
+    minis, my_micros = micro_batches(samples, cfg)  # Part 3: the mini-batches, this rank's micro-batches
+    totals, grad_norms, skipped, sync = None, [], 0, {}
+    with tf32_head(run.device, cfg):  # Part 3: on CUDA in bf16, the fp32 head as an exact TF32 GEMM
+        old_logprobs(run, my_micros)  # Part 3: π_θold before any update (and what Part 2's flags read)
+        for mini, micros in zip(minis, my_micros):
+            threshold = selection_threshold(micros, cfg)  # Part 2: --top-entropy-quantile's, else None
             run.opt.zero_grad(set_to_none=True)
-            sums, tokens = policy_gradient(run.model, mini, micros, cfg, run.pad_id, run.device, floor)
-            if totals is None:  # every π_θold is known now, before any optimizer step: a broken sync stops here
-                totals, sync = dict.fromkeys(sums, 0.0), check_sync(run, plan)  # Part 2
-            norm = clip_gradients(run, sums["loss"])  # Part 2: None if any rank saw NaN/inf
-            if norm is None:  # never step on it
-                skipped += 1
-                continue
-            if tokens == 0:  # every token masked (e.g. all truncated): no momentum or decay drift
+            sums, tokens = policy_gradient(run, mini, micros, threshold)
+            if totals is None:  # every π_θold is known now, before any optimizer step
+                totals, sync = dict.fromkeys(sums, 0.0), check_sync(run, my_micros)  # Part 3: stops a broken sync
+            grad_norm = clip_gradients(run, sums["loss"])  # Part 3: None if any rank saw NaN/inf
+            if grad_norm is None or tokens == 0:  # no step on NaN, nor with no trained token (AdamW would drift)
+                skipped += grad_norm is None
                 continue
             run.opt.step()
             totals = {k: totals[k] + v for k, v in sums.items()}
-            grad_norms.append(norm)
+            grad_norms.append(grad_norm)
     run.opt.zero_grad(set_to_none=True)
-    return update_metrics(run, totals, grad_norms, skipped, plan, sync)  # Part 2: over every rank, by name
+    return {"lr": lr, **update_metrics(run, totals, grad_norms, skipped, my_micros, sync)}  # Part 3
+
+
+def policy_gradient(run, mini, micros, threshold=None):
+    """Accumulate the gradient of Eq. 8 over one mini-batch (`mini`: every rank's samples; `micros`: this
+    rank's micro-batches). Returns (this rank's sums of the statistics, by name; the mini-batch's trained
+    tokens)."""
+    cfg, device = run.cfg, run.device
+    denom = loss_normaliser(mini, cfg)
+    sums = {}
+    for mb in micros:
+        batch = collate(mb, run.pad_id, device, packs_one_row(cfg))  # Part 3: the sequences, packed in rows
+        logp, ent = run.model.forward_logprobs(batch, cfg.temperature, cfg.logprob_chunk)  # Part 3: (B, T)
+        old = old_logp_of(mb, logp)  # Part 3: π_θold; the first mini-batch's is this pass, detached
+        trained = torch.tensor([float(s["trained"]) for s in mb], device=device)
+        mask = batch["mask"] * trained[:, None]  # Sec. 3.4: an overlong-filtered sample's tokens are masked
+        adv = torch.tensor([s["adv"] for s in mb], device=device)
+        more = loss_terms(mb, logp, old, adv, mask, cfg, threshold)  # Part 2: None for the paper's objective
+        loss, stats = policy_loss(logp, old, adv, mask, cfg, denom, more)
+        (loss * world()).backward()  # PLUMBING: FSDP2 averages gradients over ranks; Eq. 12 wants the sum
+        n = mask.sum().item()
+        stats["entropy"] = (ent * mask).sum() / max(n, 1.0)
+        add_stats(sums, stats, n, trained.sum().item(), loss.item())  # Part 3: sums by name
+    return sums, sum(s["len"] for s in mini if s["trained"])
 
 
 # -----------------------------------------------------------------------------------------
@@ -683,38 +492,355 @@ def pass_at_k(n, c, k):
 
 def evaluate(run, tag):
     """k = eval_samples responses per held-out prompt (split across ranks), scored and printed. avg@k and
-    pass@k count successes; maj@k and the share answered, the answers the reward reads, if it does."""
+    pass@k count successes; maj@k and the share answered read the answers, where the reward gives them."""
     cfg, rows, k = run.cfg, run.eval_rows, run.cfg.eval_samples
     if not rows or not k:
         return {}
     idx = list(range(min(len(rows), cfg.eval_max_prompts or len(rows))))
     groups, _ = sample_groups(run, rows, run.eval_ids, idx, k, cfg.eval_temperature, cfg.eval_top_p,
                               (cfg.seed, "eval", tag))
-    votes = any("answer" in s for g in groups for s in g)  # does the reward read answers?
-    avg, pas, maj, answered = [], [], [], []
-    for g in groups:
-        c = sum(s["success"] for s in g)
-        avg.append(c / k)
-        pas.append(pass_at_k(k, c, k))
-        if votes:
-            answers = [s.get("answer") for s in g]
-            maj.append(reward.majority_correct(answers, [s["success"] for s in g], cfg.reward_timeout,
-                                               cfg.reward_workers, by_equivalence=cfg.reward == reward.MATH))
-            answered.append(sum(a is not None for a in answers) / k)  # the answer format followed
-    n = len(idx)
-    out = {f"eval/avg@{k}": sum(avg) / n, f"eval/pass@{k}": sum(pas) / n}
-    if votes:  # only where the reward reads answers
-        out.update({f"eval/maj@{k}": sum(maj) / n, "eval/answered": sum(answered) / n})
-    out.update(by_level([rows[i] for i in idx], avg, k))  # Part 2: by difficulty, for rows that have one
+    avg = [sum(s["success"] for s in g) / k for g in groups]
+    out = {f"eval/avg@{k}": sum(avg) / len(idx),
+           f"eval/pass@{k}": sum(pass_at_k(k, round(a * k), k) for a in avg) / len(idx)}
+    if any("answer" in s for g in groups for s in g):  # the reward reads answers: majority vote
+        votes = [reward.majority_correct([s.get("answer") for s in g], [s["success"] for s in g], cfg.reward_timeout,
+                                         cfg.reward_workers, by_equivalence=cfg.reward == reward.MATH) for g in groups]
+        answered = [sum(s.get("answer") is not None for s in g) / k for g in groups]  # the format followed
+        out.update({f"eval/maj@{k}": sum(votes) / len(idx), "eval/answered": sum(answered) / len(idx)})
+    out.update(by_level([rows[i] for i in idx], avg, k))  # Part 3: by difficulty, where rows have one
     print0(f"eval ({tag}): " + "  ".join(f"{name} {v:.3f}" for name, v in out.items()))
     return out
 
 
 # =========================================================================================
-# Part 2: the plumbing (packing, the fp32 head, FSDP2, vLLM, files, checks, Ctrl-C). DAPO never
+# Part 2: after DAPO. What came later, each behind its own flag and off by default: objectives
+# (OBJECTIVES), advantage estimators (ADV_ESTIMATORS), rollout corrections, the KL penalty, a token
+# selection, carried surplus, skipped prompts, LoRA. Part 1 reaches them through the two tables and
+# after_rollout, loss_terms, adjust_token_losses and selection_threshold.
+# =========================================================================================
+# Objectives. Each takes the micro-batch's Tokens (Part 1) and the Config, and returns its token losses
+# and where its clip binds, below and above (and optionally its own statistics, by name), as
+# dapo_token_loss does.
+
+def gspo_token_loss(t, cfg):
+    """GSPO (Zheng et al. 2025, GSPO's Eq. 5-7): one ratio per sequence, s_i = exp(mean_t log r_t), clipped
+    whole by Eq. 10's clip: every token of a clipped sequence binds. As verl's, each token carries it as
+    s_i,t = sg[s_i] π_θ / sg[π_θ]: the value s_i, the gradient of its own token (the same sum)."""
+    seq = (t.log_ratio * t.mask).sum(-1, keepdim=True) / t.mask.sum(-1, keepdim=True).clamp(min=1)
+    return dapo_token_loss(t._replace(ratio=torch.exp(seq.detach() + t.logp - t.logp.detach())), cfg)
+
+
+def cispo_token_loss(t, cfg):
+    """CISPO (MiniMax-M1 2025, its Eq. 4): -sg(clip(r, 1 - ε_low, 1 + ε_high)) A log π_θ: a detached,
+    capped weight, so every token keeps a gradient. Its clip binds where the weight is capped, whatever A."""
+    loss = -torch.clamp(t.ratio, 1 - cfg.eps_low, 1 + cfg.eps_high).detach() * t.adv * t.logp
+    return loss, t.ratio < 1 - cfg.eps_low, t.ratio > 1 + cfg.eps_high
+
+
+def sapo_token_loss(t, cfg):
+    """SAPO (arXiv 2511.20347): the soft gate -sigmoid(τ (r - 1)) 4/τ A (τ_pos if A > 0, else τ_neg) gives the
+    unclipped gradient times 4 σ(1 - σ): 1 at r = 1, fading both sides; clip/*: where it fell under 1/2."""
+    tau = torch.full_like(t.adv, cfg.sapo_tau_neg).masked_fill(t.adv > 0, cfg.sapo_tau_pos)
+    gate = torch.sigmoid(tau * (t.ratio - 1))
+    faded = 4 * gate * (1 - gate) < 0.5
+    return -gate * (4 / tau) * t.adv, faded & (t.ratio < 1), faded & (t.ratio > 1)
+
+
+def dppo_token_loss(t, cfg):
+    """DPPO (arXiv 2602.04879; its authors' Stable-RL code, verl's dppo_tv and dppo_kl): the policy
+    gradient -sg(min(π_θ / π_rollout, c)) A log π_θ, kept where the sampled token's probability stays in a
+    trust region around the anchor (--dppo-anchor: π_rollout, or π_θold), on the side A pushes. tv:
+    π_θ - π_anchor up to ε_high (A > 0), down to -ε_low; kl: the KL between Bernoulli(π_anchor) and
+    Bernoulli(π_θ) up to ε_high / ε_low. clip/*: where the region binds."""
+    logp = t.logp.detach()
+    weight = torch.exp((logp - t.rollout_logp).clamp(max=20.0)).clamp(max=cfg.dppo_ratio_cap)
+    anchor = t.rollout_logp if cfg.dppo_anchor == "rollout" else t.old_logp
+    p, q = torch.exp(logp), torch.exp(anchor)
+    if cfg.loss == "dppo_tv":
+        out_up, out_down = p - q > cfg.eps_high, p - q < -cfg.eps_low
+    else:  # the binary KL, with verl's 1e-8 guarding log(0)
+        kl = q * (anchor - logp) + (1 - q) * torch.log((1 - q + 1e-8) / (1 - p + 1e-8))
+        out_up, out_down = (kl > cfg.eps_high) & (p > q), (kl > cfg.eps_low) & (p < q)
+    high, low = out_up & (t.adv > 0), out_down & (t.adv <= 0)
+    return -t.adv * weight * t.logp * ~(low | high), low, high
+
+
+def gmpo_token_loss(t, cfg):
+    """GMPO (arXiv 2507.20673; verl's geo_mean): one ratio per sequence, the geometric mean of its token
+    ratios, each log r clipped to [-ε_low, ε_high] on the side A pushes (in log space: preset 0.4);
+    -A exp(mean_t clipped log r). As GSPO's, each token carries it with its own token's gradient."""
+    clipped = t.log_ratio.clamp(-cfg.eps_low, cfg.eps_high)
+    kept = torch.where(t.adv > 0, torch.minimum(t.log_ratio, clipped), torch.maximum(t.log_ratio, clipped))
+    seq = (kept * t.mask).sum(-1, keepdim=True) / t.mask.sum(-1, keepdim=True).clamp(min=1)
+    loss = -t.adv * torch.exp(seq.detach() + kept - kept.detach())
+    return loss, (t.log_ratio < -cfg.eps_low) & (t.adv < 0), (t.log_ratio > cfg.eps_high) & (t.adv > 0)
+
+
+def token_covariance(t):
+    """Cui et al. 2025's per-token covariance of advantage and log-probability over the micro-batch's
+    trained tokens, (A - mean A)(log π_θ - mean log π_θ), detached (verl's centring)."""
+    mask, n = t.mask.bool(), t.mask.sum().clamp(min=1)
+    adv = t.adv.expand_as(t.logp)
+    logp = t.logp.detach()
+    return (adv - (adv * t.mask).sum() / n) * (logp - (logp * t.mask).sum() / n), mask
+
+
+def clip_cov_token_loss(t, cfg):
+    """Clip-Cov (Cui et al. 2025, arXiv 2505.22617; verl's clip_cov): PPO's clipped loss, its gradient cut
+    on clip_cov_ratio of the micro-batch's tokens (at least one), drawn at random among those PPO's clip
+    left alone whose covariance (token_covariance) lies in (lb, ub): the few that drive the entropy down."""
+    loss, low, high = dapo_token_loss(t, cfg)
+    cov, mask = token_covariance(t)
+    candidates = torch.nonzero(mask & ~(low | high) & (cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub))
+    k = max(int(cfg.clip_cov_ratio * mask.sum().item()), 1)
+    cut = candidates[torch.randperm(len(candidates))[:k]]  # verl: torch's generator (a checkpoint keeps it)
+    keep = torch.ones_like(loss)
+    keep[cut[:, 0], cut[:, 1]] = 0.0
+    return loss * keep, low, high, {"cov/cut_frac": (1 - keep).sum() / mask.sum().clamp(min=1)}
+
+
+def kl_cov_token_loss(t, cfg):
+    """KL-Cov (Cui et al. 2025; verl's kl_cov): the unclipped -A r, plus kl_cov_coef |log r| on the
+    kl_cov_ratio of the micro-batch's tokens (at least one) with the largest covariance (token_covariance).
+    No clip binds."""
+    cov, mask = token_covariance(t)
+    k = max(int(cfg.kl_cov_ratio * mask.sum().item()), 1)
+    top = torch.topk(torch.where(mask, cov, -math.inf).flatten(), min(k, int(mask.sum())))[1]
+    penalised = torch.zeros_like(t.logp).flatten()
+    penalised[top] = 1.0
+    penalised = penalised.view_as(t.logp)
+    loss = -t.adv * t.ratio + penalised * cfg.kl_cov_coef * t.log_ratio.abs()
+    none = torch.zeros_like(mask)
+    return loss, none, none, {"cov/penalised_frac": penalised.sum() / mask.sum().clamp(min=1)}
+
+
+# --loss: the objective per token (token_loss), its normaliser where not Eq. 12's ("sample": each sample's
+# mean first; "max_len": L_max x samples), "weights": "sequence" where a per-token weight enters as one per
+# sequence (their geometric mean), "preset": its paper's values of shared flags (a flag given wins),
+# "ignores": the shared flags it has no use for (refused unless at their default), "own": its own settings
+# beyond the Config fields named after it. DAPO's (Eq. 10, 12) first. GSPO: one ratio per sequence, so a far
+# narrower clip. CISPO: no lower bound on the weight (its ε_high is unpublished: DAPO's is kept). Dr. GRPO
+# (Liu et al. 2025): PPO's clip, A = R - mean, a constant normaliser. SAPO: a soft gate, no clip. DPPO: ε bounds
+# the token's probability (TV) or its binary KL, verl's thresholds; c is its authors'. GMPO: ε in log space.
+# Clip-Cov, KL-Cov: Cui et al.'s alternative to Clip-Higher (so PPO's symmetric clip), verl's presets; they pick
+# their tokens per micro-batch, as verl's ("per_micro_batch"), so their gradient depends on the layout.
+OBJECTIVES = {
+    "dapo": dict(token_loss=dapo_token_loss),
+    "gspo": dict(token_loss=gspo_token_loss, norm="sample", preset=dict(eps_low=3e-4, eps_high=4e-4),
+                 ignores=("token_level_loss",)),
+    "cispo": dict(token_loss=cispo_token_loss, preset=dict(eps_low=1.0), ignores=("dual_clip",)),
+    "dr_grpo": dict(token_loss=dapo_token_loss, norm="max_len", preset=dict(eps_high=0.2, adv_estimator="dr_grpo"),
+                    ignores=("token_level_loss",)),
+    "sapo": dict(token_loss=sapo_token_loss, norm="sample", ignores=("eps_low", "eps_high", "dual_clip",
+                                                                     "token_level_loss")),
+    "dppo_tv": dict(token_loss=dppo_token_loss, preset=dict(eps_low=0.15, eps_high=0.15), ignores=("dual_clip",),
+                    own=("dppo_anchor", "dppo_ratio_cap")),
+    "dppo_kl": dict(token_loss=dppo_token_loss, preset=dict(eps_low=0.05, eps_high=0.05), ignores=("dual_clip",),
+                    own=("dppo_anchor", "dppo_ratio_cap")),
+    "gmpo": dict(token_loss=gmpo_token_loss, norm="sample", weights="sequence", preset=dict(eps_low=0.4, eps_high=0.4),
+                 ignores=("dual_clip", "token_level_loss")),
+    "clip_cov": dict(token_loss=clip_cov_token_loss, preset=dict(eps_high=0.2), per_micro_batch=True),
+    "kl_cov": dict(token_loss=kl_cov_token_loss, ignores=("eps_low", "eps_high", "dual_clip"), per_micro_batch=True),
+}
+
+
+# Advantage estimators: A from a group's values ("reads": each sample's shaped "reward", or its "success"
+# as 0/1), (B,) -> (B,), groups as contiguous blocks of G.
+
+def dr_grpo_advantages(rewards, group_size):
+    """Dr. GRPO (Liu et al. 2025): R_i - mean(R_group), no std."""
+    r = rewards.view(-1, group_size).float()
+    return (r - r.mean(1, keepdim=True)).view(-1)
+
+
+def rloo_advantages(rewards, group_size):
+    """RLOO (Kool et al. 2019, Ahmadian et al. 2024): R_i - the mean of the other G - 1 rewards of its group,
+    G / (G - 1) times Dr. GRPO's."""
+    r = rewards.view(-1, group_size).float()
+    return (r - (r.sum(1, keepdim=True) - r) / (group_size - 1)).view(-1)
+
+
+def maxrl_advantages(successes, group_size):
+    """MaxRL (Tajwar et al. 2026, arXiv 2602.02710), as prime-rl's max_rl: (s_i - p) / p on the successes s_i
+    (0/1) of a group whose success rate p > 0, and 0 for a group with none. A right answer never gets a
+    negative advantage (SkyRL's (R - mean) / (mean + 1e-6) on Eq. 7's ±1 would give one among three wrong
+    -3); Eq. 13's length penalty does not enter."""
+    s = successes.view(-1, group_size).float()
+    p = s.mean(1, keepdim=True)
+    return torch.where(p > 0, (s - p) / p.clamp(min=1e-12), 0.0).view(-1)
+
+
+ADV_ESTIMATORS = {"grpo": dict(fn=group_advantages, reads="reward"),   # Eq. 9, DAPO's
+                  "dr_grpo": dict(fn=dr_grpo_advantages, reads="reward"),
+                  "rloo": dict(fn=rloo_advantages, reads="reward"),
+                  "maxrl": dict(fn=maxrl_advantages, reads="success")}
+
+
+# -----------------------------------------------------------------------------------------
+# What the flags after DAPO add to a micro-batch's loss
+
+def tis_weights(old_logp, rollout_logp, mask, cap, mode="token_truncate", lower=0.0):
+    """Rollout correction (verl; TRL's vllm_importance_sampling_mode): vLLM samples from π_rollout, a little
+    off π_θold, so the loss is weighted by ρ = π_θold / π_rollout per token or per sequence (the product of
+    its token ratios, as a sum of logs), clamped to [lower, cap] (*_truncate) or zeroed outside (*_mask)."""
+    log_w = torch.where(mask.bool(), old_logp - rollout_logp, 0.0)
+    if mode.startswith("sequence"):
+        log_w = log_w.sum(-1, keepdim=True)
+    raw = torch.exp(log_w.clamp(max=20.0)).detach()
+    out = (raw > cap) | (raw < lower)
+    w = raw.clamp(min=lower, max=cap) if mode.endswith("truncate") else torch.where(out, 0.0, raw)
+    hit, n = out.float() * mask, mask.sum().clamp(min=1)
+    return w, {"tis/weight_mean": (w * mask).sum() / n, "tis/clipped_frac": hit.sum() / n,
+               "tis/clipped_seq_frac": hit.amax(-1).sum() / mask.amax(-1).sum().clamp(min=1)}
+
+
+def off_policy_mask(logp, rollout_logp, adv, mask, delta):
+    """DeepSeek-V3.2 (arXiv 2512.02556, its Eq. 9), as TRL computes it: keep a sequence unless A < 0 and the
+    mean of log π_rollout - log π_θ (detached) over its tokens exceeds δ: too far off-policy to learn."""
+    n = mask.sum(-1, keepdim=True).clamp(min=1)
+    kl = ((rollout_logp - logp.detach()) * mask).sum(-1, keepdim=True) / n
+    keep, trained = ((adv >= 0) | (kl <= delta)).float(), mask.amax(-1, keepdim=True)
+    return keep, {"offpolicy/dropped_seq_frac": ((1 - keep) * trained).sum() / trained.sum().clamp(min=1)}
+
+
+def entropy_threshold(entropies, rho):
+    """Beyond the 80/20 rule (arXiv 2506.01939): the (1 - ρ) quantile of the mini-batch's token
+    entropies (linear, as torch.quantile and TRL); the tokens at or above it bear the loss."""
+    return float(np.quantile(entropies.double().numpy(), 1 - rho)) if entropies.numel() else math.inf
+
+
+def selection_threshold(micros, cfg):
+    """--top-entropy-quantile ρ < 1: one threshold over every rank's trained tokens of the mini-batch
+    (π_θold's entropies, all_entropies); None when off."""
+    return entropy_threshold(all_entropies(micros), cfg.top_entropy_quantile) if cfg.top_entropy_quantile < 1 else None
+
+
+def geometric_mean(weight, mask):
+    """Per-token weights as one per sequence, their geometric mean (verl's GMPO: a sequence-level ratio
+    takes a sequence-level weight; weights 2 and 0.5 give 1). (B, T) -> (B, 1)."""
+    n = mask.sum(-1, keepdim=True).clamp(min=1)
+    return torch.exp((torch.log(weight + 1e-10) * mask).sum(-1, keepdim=True) / n)
+
+
+def loss_terms(mb, logp, old, adv, mask, cfg, threshold):
+    """What the flags after DAPO add to one micro-batch's loss, read by adjust_token_losses: vLLM's
+    log-probs (DPPO's, and the corrections'), per-token weights (--tis-cap, --off-policy-mask), a token
+    selection (--top-entropy-quantile), π_ref (--kl-coef), and their statistics. None when none is set."""
+    rollout = cfg.tis_cap or cfg.off_policy_mask or cfg.loss.startswith("dppo")
+    if not (rollout or threshold is not None or cfg.kl_coef or cfg.dual_clip):
+        return None
+    more, factors, device = {"stats": {}}, [], logp.device
+    if rollout:
+        more["rollout_logp"] = padded(mb, "vllm_logp", device)  # Part 3: per-sample lists, padded
+    if cfg.tis_cap:  # correct for vLLM's sampling policy
+        factors.append(tis_weights(old, more["rollout_logp"], mask, cfg.tis_cap, cfg.tis_mode, cfg.tis_min))
+    if cfg.off_policy_mask:  # drop the negative samples far off-policy
+        factors.append(off_policy_mask(logp, more["rollout_logp"], adv[:, None], mask, cfg.off_policy_mask))
+    for w, stats in factors:
+        more["weight"] = more.get("weight", 1.0) * w
+        more["stats"].update(stats)
+    if threshold is not None:  # the mini-batch's top-ρ entropy tokens alone (π_θold's entropy)
+        more["select"] = (padded(mb, "old_entropy", device) >= threshold).float()
+        more["stats"]["entropy/selected_frac"] = (more["select"] * mask).sum() / mask.sum().clamp(min=1)
+    if cfg.kl_coef:
+        more["ref_logp"] = padded(mb, "ref_logp", device)
+    return more
+
+
+def adjust_token_losses(per_token, t, cfg, more, stats):
+    """policy_loss's token losses under the flags after DAPO (more: loss_terms', or {}): the dual clip, the
+    weights (one per sequence for a sequence-level objective, as verl's), the token selection, then GRPO's
+    KL penalty on every trained token. Adds the statistics to stats. With none set, the losses as they are."""
+    stats.update(more.get("stats", {}))
+    if cfg.dual_clip:  # dual-clip PPO (the reference run's c = 10): an A < 0 token's loss is at most -c A
+        per_token = torch.where(t.adv < 0, torch.minimum(per_token, -cfg.dual_clip * t.adv), per_token)
+    if "weight" in more:
+        sequence = OBJECTIVES[cfg.loss].get("weights") == "sequence"
+        per_token = per_token * (geometric_mean(more["weight"], t.mask) if sequence else more["weight"])
+    if "select" in more:
+        per_token = per_token * more["select"]
+    if "ref_logp" in more:  # GRPO's KL penalty (Sec. 2.3 drops it): k3, an estimate of KL(π_θ || π_ref)
+        kl = torch.exp(more["ref_logp"] - t.logp) - (more["ref_logp"] - t.logp) - 1
+        per_token = per_token + cfg.kl_coef * kl
+        stats["kl/ref"] = ((kl * t.mask).sum() / t.mask.sum().clamp(min=1)).detach()
+    return per_token
+
+
+# -----------------------------------------------------------------------------------------
+# The rollout after DAPO: carried surplus, skipped prompts
+
+def after_rollout(run, surplus, generated, metrics):
+    """After collect_batch: --carry-surplus keeps the groups past N for the next step (keep_surplus), and
+    --skip-solved sets aside the prompts always solved (set_aside_solved, Sampler.set_aside)."""
+    if run.cfg.carry_surplus:
+        run.carried, metrics["filter/surplus_dropped"] = keep_surplus(surplus, run.cfg.prompts_per_step // 2)
+    if run.cfg.skip_solved:
+        metrics["filter/set_aside"] = run.sampler.set_aside(set_aside_solved(run.solved, generated,
+                                                                             run.cfg.skip_solved))
+
+
+def keep_surplus(groups, n):
+    """--carry-surplus: the first n surplus groups (a batch of N takes at most N // 2, so that at least half
+    of it is the step's own and every step generates), marked; the rest are dropped. A carried group keeps
+    its rewards and so its advantages (Eq. 9 over its own complete group); only π_θold, recomputed, is new.
+    Its tokens stay on the rank that generated them; its vLLM log-probs are a step old: the sync gap leaves
+    them out, the rollout corrections do not. Returns (the carried groups, how many were dropped)."""
+    for s in (s for g in groups[:n] for s in g):
+        s["carried"] = True
+    return groups[:n], len(groups[n:])
+
+
+def set_aside_solved(record, generated, k):
+    """--skip-solved K: the rows of the prompts whose G responses were all right in each of their last K draws
+    (prime-rl, SkyRL and open-instruct skip such prompts: they only ever give all-equal groups). record:
+    {row: all-right draws in a row}, updated with this step's generated groups."""
+    out = []
+    for g in generated:
+        row = g[0]["row"]
+        record[row] = record.get(row, 0) + 1 if all(s["success"] for s in g) else 0
+        if record[row] >= k:
+            out.append(row)
+    return out
+
+
+# -----------------------------------------------------------------------------------------
+# LoRA's hooks into the policy (the layer itself: lib/lora.py)
+
+def add_lora(model, cfg):
+    """--lora-rank r: B A beside every linear layer of the decoder (lib/lora.py, on the meta device, before
+    sharding), every other weight frozen."""
+    lora.add_adapters(model, cfg.lora_rank, cfg.lora_alpha)
+    model.lora_scale = cfg.lora_alpha / cfg.lora_rank
+
+
+# =========================================================================================
+# Part 3: the plumbing (packing, the fp32 head, FSDP2, vLLM, files, checks, Ctrl-C). DAPO never
 # changes below this line.
 # =========================================================================================
-# Flags and errors
+# Flags, presets and errors
+
+# The built-in task's settings, applied on the built-in model (no --model, or a saved demo model; a flag
+# given on the command line still wins). A 0.5M-parameter model needs a far larger lr than a 32B one.
+DEMO = dict(prompts_per_step=64, group_size=8, gen_batch_size=96, max_prompt_len=16,
+            max_response_len=8, overlong_cache_len=2, lr=3e-4, warmup_steps=20,
+            num_mini_batches=2, micro_batch_size=256, steps=250, eval_every=100, eval_samples=4,
+            eval_top_p=1.0, out_dir="runs/demo")
+# --task carry: written reasoning of 10 to 50 tokens, so each DAPO technique has something to act on.
+CARRY = dict(DEMO, prompts_per_step=32, gen_batch_size=48, max_response_len=96, overlong_cache_len=24,
+             lr=2e-4, steps=75, eval_every=25, demo_sft_target=0.25, out_dir="runs/carry")
+# Choice flags and their names: check_config refuses any other, so a new entry in a table needs nothing else.
+CHOICES = dict(task=("add", "carry"), loss=OBJECTIVES, adv_estimator=ADV_ESTIMATORS,
+               tis_mode=("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
+               attn_impl=("", "flex_attention", "flash_attention_2", "sdpa"), save_dtype=("", "bfloat16", "float32"),
+               precision=("", "bf16", "fp32"), dppo_anchor=("rollout", "recompute"))
+# The laptop preset: tools/real_model.py's SmolLM2-135M-Instruct (its config says so) on 2 CPU cores, for
+# short answers (examples/fewshot_addition.py's sums learn with it in ~10 minutes); bf16 where the CPU has
+# bf16 instructions (twice as fast as fp32 there, and it learns as well: docs/real-model.md).
+LAPTOP = dict(max_prompt_len=256, max_response_len=32, overlong_cache_len=8, prompts_per_step=8, group_size=8,
+              gen_batch_size=16, num_mini_batches=2, micro_batch_size=16, lr=2e-5, warmup_steps=2, steps=12,
+              eval_every=2, eval_samples=4, cpu_kv_cache_gb=2.0, out_dir="runs/laptop",
+              precision="fp32" if check_data.cpu_lacks_bf16() else "bf16")
+
 
 def presets(cfg):
     """The presets that apply, in order, as (name, settings): the built-in task's on the built-in model
@@ -727,14 +853,14 @@ def presets(cfg):
         out.append((f"--task {cfg.task}", CARRY if cfg.task == "carry" else DEMO))
     elif marks.get("dapo_preset") == "laptop":
         out.append(("laptop", LAPTOP))
-    preset = LOSSES.get(cfg.loss, {}).get("preset")
+    preset = OBJECTIVES.get(cfg.loss, {}).get("preset")
     return out + ([(f"--loss {cfg.loss}", preset)] if preset else [])
 
 
 def check_config(cfg):
     """Every setting that cannot run or would train wrongly, refused in one line (lib/check_data.py's
-    checks, with this file's --loss table)."""
-    check_data.check_config(cfg, LOSSES, CHOICES)
+    checks, with this file's --loss table, OBJECTIVES)."""
+    check_data.check_config(cfg, OBJECTIVES, CHOICES)
 
 
 def parse_config(argv=None, cls=Config):
@@ -743,16 +869,16 @@ def parse_config(argv=None, cls=Config):
     import argparse
     helps = field_helps(cls)
     named = {"--task add": DEMO, "--task carry": CARRY, "laptop": LAPTOP,
-             **{f"--loss {k}": v.get("preset", {}) for k, v in LOSSES.items()}}
+             **{f"--loss {k}": v.get("preset", {}) for k, v in OBJECTIVES.items()}}
     p = argparse.ArgumentParser(description=sys.modules[cls.__module__].__doc__.strip().split("\n\n")[0])
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         set_by = "".join(f"; {name}: {p[f.name]!r}" for name, p in named.items() if f.name in p)
         if f.name == "loss":
             sets = {k: ", ".join(f"{n}={v}" for n, v in e.get("preset", {}).items())
-                    for k, e in LOSSES.items()}
+                    for k, e in OBJECTIVES.items()}
             set_by = "".join(f"; {k} sets {what or 'nothing'}" for k, what in sets.items())
-        ignored = [k for k, e in LOSSES.items() if f.name in e.get("ignores", ())]
+        ignored = [k for k, e in OBJECTIVES.items() if f.name in e.get("ignores", ())]
         help = f"{helps.get(f.name, '')} (default: {f.default!r}{set_by})" + (
             f" Ignored by --loss {', '.join(ignored)}." if ignored else "") + (
             f" One of: {', '.join(n or repr(n) for n in CHOICES[f.name])}." if f.name in CHOICES else "")
@@ -770,14 +896,14 @@ def parse_config(argv=None, cls=Config):
     return cfg
 
 
-def too_few_groups(kept, seen, batches, cfg):
+def too_few_groups(kept, generated, batches, cfg):
     """collect_batch's error: dynamic sampling ran out of generation batches, or could not fill the
     batch with those left even at twice the keep rate so far. It counts in the reward's terms (the groups
     whose G rewards were all equal, by that value), and names reward errors first where most responses were."""
     from collections import Counter
-    G, samples = cfg.group_size, [s for g in seen for s in g]
+    G, samples = cfg.group_size, [s for g in generated for s in g]
     mixed = dynamic_sampling_mask(torch.tensor([s["score"] for s in samples]), G).tolist()
-    uniform = Counter(g[0]["score"] for g, m in zip(seen, mixed) if not m)
+    uniform = Counter(g[0]["score"] for g, m in zip(generated, mixed) if not m)
     said = ", ".join(f"{n} all scored {v:+.3g}" for v, n in uniform.most_common(3))
     said += f", {len(uniform) - 3} other values" if len(uniform) > 3 else ""
     n = torch.tensor([s["success"] for s in samples]).view(-1, G).sum(1)
@@ -789,14 +915,14 @@ def too_few_groups(kept, seen, batches, cfg):
     left = cfg.max_gen_batches - batches
     more = f"--max-gen-batches {cfg.max_gen_batches}"
     if not sum(mixed):  # no group passed: more batches at this keep rate would not help
-        why = f"; no group's rewards differed, so more generation batches would not fill it"
+        why = "; no group's rewards differed, so more generation batches would not fill it"
         raise_ = "or raise --group-size"
     else:
         why = f", and the {left} left of {more} could not fill it even at twice this keep rate" if left else ""
         raise_ = "or raise --group-size, --gen-batch-size or --max-gen-batches"
     return DapoError(
         f"{cause}dynamic sampling kept only {kept} of {cfg.prompts_per_step} groups after {batches} generation "
-        f"batch{'es' if batches > 1 else ''} ({len(seen)} groups: {said or 'none uniform'}, {sum(mixed)} with rewards "
+        f"batch{'es' if batches > 1 else ''} ({len(generated)} groups: {said or 'none uniform'}, {sum(mixed)} with rewards "
         f"that differ; accuracy {acc:.1%}){why}. The data is too {'easy' if easy else 'hard'} for this model, or "
         f"the group size G={G} is too small: use {'harder' if easy else 'easier'} data, pass "
         f"--no-dynamic-sampling (to learn the answer format first), {raise_} (--resume takes each)")
@@ -810,11 +936,12 @@ def my_prompts(n, tp):
     return list(range(rank() // tp, n, world() // tp))
 
 
-def share_groups(local, idx, prompt_ids, n, times, tp):
+def share_groups(run, local, idx, prompt_ids, n, times):
     """sample_groups' exchange: every rank gets every group, in order, with what the decisions need (the
     score, success, answer and metrics, length, truncation); tokens stay where they were generated ("src").
     A TP group's first rank speaks for it; the others send a digest of their responses, which must equal
-    their leader's."""
+    their leader's. The bytes received add up in run.meta_bytes (to_trainers reports them)."""
+    tp = run.cfg.tp_size
     dp_size = world() // tp
     fields = ("score", "success", "answer", "metrics", "failed", "len", "truncated")
     meta = [{f: s[f] for f in fields if f in s} for s in local] if rank() % tp == 0 else []
@@ -830,7 +957,7 @@ def share_groups(local, idx, prompt_ids, n, times, tp):
     for k in ("reward/timeouts", "reward/errors", "gen/nll", "gen/tokens"):
         times[k] = sum(t[k] for _, t, _ in gathered[::tp])
     times["sync/tp_mismatch"] = sum(d != gathered[r - r % tp][2] for r, (_, _, d) in enumerate(gathered))
-    times["comm/meta_bytes"] = nbytes
+    run.meta_bytes = getattr(run, "meta_bytes", 0) + nbytes
     return groups, times
 
 
@@ -862,11 +989,16 @@ def distribute(samples, cfg):
     return nbytes
 
 
-def send_to_trainers(samples, cfg, meta_bytes):
-    """distribute(), then the bytes (metadata + tokens) received by the rank that received most."""
-    got = torch.tensor(meta_bytes + distribute(samples, cfg), dtype=torch.float64)
+def to_trainers(run, samples, metrics):
+    """The rollout's end: each kept sample's tokens to the rank that trains it (distribute); the bytes
+    (metadata + tokens) received by the rank that received most, into metrics; on CUDA, vLLM frees its
+    weights and KV cache while the trainer works (push_weights wakes it); the update's clock starts."""
+    got = torch.tensor(run.meta_bytes + distribute(samples, run.cfg), dtype=torch.float64)
     torch.distributed.all_reduce(got, op=torch.distributed.ReduceOp.MAX)
-    return got.item()
+    metrics["comm/bytes_received"] = got.item()
+    if run.sleep:
+        run.llm.sleep(level=2)
+    run.clock["update"] = time.perf_counter()
 
 
 # -----------------------------------------------------------------------------------------
@@ -996,14 +1128,16 @@ def sync_weights(model, llm, skip=()):
 
 
 def push_weights(run):
-    """Algorithm 1's weight sync, after every update. After a sleep, the weights wake first and are
-    reloaded before the KV cache returns. Returns the bytes pushed into vLLM."""
+    """Algorithm 1's weight sync (line 3, π_θold <- π_θ), after every update. After a sleep, the weights wake
+    first and are reloaded before the KV cache returns. Returns {"sync/bytes": the bytes pushed into vLLM}."""
+    run.clock["sync"] = time.perf_counter()
     if run.sleep:
         run.llm.wake_up(tags=["weights"])
     pushed = sync_weights(run.model, run.llm)
     if run.sleep:
         run.llm.wake_up()
-    return pushed
+    run.clock["end"] = time.perf_counter()
+    return {"sync/bytes": pushed}
 
 
 def sync_diff_stats(samples):
@@ -1054,11 +1188,11 @@ def collate(samples, pad_id, device, one_row=False):
     EOS included (never derived from pad ids)."""
     lens = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
     L = sum(lens) if one_row else max(lens)
-    rows = first_fit_decreasing(lens, L)
-    ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
+    packed = first_fit_decreasing(lens, L)
+    ids = torch.full((len(packed), L), pad_id, dtype=torch.long)
     pos = torch.zeros_like(ids)
     start = [0] * len(samples)  # flat position of the hidden state predicting sample i's first response token
-    for r, row in enumerate(rows):
+    for r, row in enumerate(packed):
         at = 0
         for i in row:
             s = samples[i]
@@ -1088,7 +1222,7 @@ def micro_batches(samples, cfg):
     one with fewer runs extra ones on a zero-weight pad sample of 1 + 1 tokens."""
     owner = trainer_ranks(len(samples), cfg)  # rank r trains its r::world() share of a mini-batch
     size = len(samples) // cfg.num_mini_batches
-    minis, plan = [], []
+    minis, my_micros = [], []
     for m in range(cfg.num_mini_batches):
         mini = samples[m * size:(m + 1) * size]
         shares = [[s for s, t in zip(mini, owner[m * size:]) if t == r] for r in range(world())]
@@ -1102,8 +1236,8 @@ def micro_batches(samples, cfg):
                "old_entropy": zero, "len": 1, "truncated": False, "trained": False, "adv": 0.0, "dummy": True}
         mine = cuts[rank()] + [[dict(pad)] for _ in range(max(map(len, cuts)) - len(cuts[rank()]))]
         minis.append(mini)
-        plan.append(mine)
-    return minis, plan
+        my_micros.append(mine)
+    return minis, my_micros
 
 
 def forward_logprobs(model, batch, temperature, chunk):
@@ -1149,7 +1283,7 @@ def token_logprobs(hidden, weight, targets, temperature=1.0, chunk=1024):
     return torch.cat(lps, 1), torch.cat(ents, 1)
 
 
-def old_logprobs(run, plan):
+def old_logprobs(run, my_micros):
     """π_θold of each response token, recomputed by the trainer before any update; with --kl-coef
     π_ref too, and with --top-entropy-quantile π_θold's entropy. The first mini-batch's π_θold needs no
     pass of its own: its forward pass in policy_gradient, before the first optimizer step, gives it
@@ -1157,7 +1291,7 @@ def old_logprobs(run, plan):
     cfg = run.cfg
     policy_from = 0 if cfg.top_entropy_quantile < 1 else 1
     with torch.no_grad():
-        for m, micros in enumerate(plan):
+        for m, micros in enumerate(my_micros):
             for mb in micros if m >= policy_from or cfg.kl_coef else []:
                 batch = collate(mb, run.pad_id, run.device, packs_one_row(cfg))
                 if m >= policy_from:
@@ -1190,7 +1324,7 @@ def all_entropies(micros):
     return torch.cat([torch.cat(part) if part else torch.zeros(0) for part in all_gather_objects(mine)[0]])
 
 
-def rows(mb, key, device):
+def padded(mb, key, device):
     """A per-sample list (or tensor) of each response token's value, as a (B, R) tensor on device."""
     return pad_sequence([torch.as_tensor(s[key]) for s in mb], batch_first=True).to(device)
 
@@ -1213,7 +1347,7 @@ def by_level(rows, avg, k):
     return out
 
 
-def update_metrics(run, totals, grad_norms, skipped, plan, sync):
+def update_metrics(run, totals, grad_norms, skipped, my_micros, sync):
     """update_policy's metrics: the statistics' sums over every rank, divided by the trained tokens (or,
     *_seq_frac, sequences) of the stepped mini-batches; the loss per step; the sync gap; the padding."""
     keys = sorted(totals)
@@ -1222,7 +1356,7 @@ def update_metrics(run, totals, grad_norms, skipped, plan, sync):
     total = dict(zip(keys, summed.tolist()))
     stats = {k: v / max(total["sequences" if k.endswith("_seq_frac") else "tokens"], 1.0)
              for k, v in total.items() if k not in ("tokens", "sequences", "loss")}
-    micro = [mb for micros in plan for mb in micros]
+    micro = [mb for micros in my_micros for mb in micros]
     padding = torch.tensor(sum(1 for mb in micro if mb[0].get("dummy")))
     torch.distributed.all_reduce(padding)
     return {"loss": total["loss"] / max(len(grad_norms), 1), **stats,
@@ -1231,10 +1365,10 @@ def update_metrics(run, totals, grad_norms, skipped, plan, sync):
             **sync}
 
 
-def check_sync(run, plan):
+def check_sync(run, my_micros):
     """The sync gap (sync_diff_stats) over this rank's samples, once every π_θold is known and before any
     optimizer step: past --max-sync-diff the run stops, untrained on the broken rollout. A collective."""
-    sync = sync_diff_stats([s for micros in plan for mb in micros for s in mb
+    sync = sync_diff_stats([s for micros in my_micros for mb in micros for s in mb
                             if not s.get("dummy") and not s.get("carried")])  # carried: a step-old rollout
     gap, limit = sync["sync/logp_diff_mean"], run.cfg.max_sync_diff  # the same on every rank
     if limit and gap > limit:
@@ -1359,9 +1493,8 @@ def load_policy(cfg, path, device, weights=True, reference=False):
         model.generation_config = GenerationConfig.from_pretrained(path)
     model.config.use_cache = False
     adapted = cfg.lora_rank and not reference
-    if adapted:  # lib/lora.py: B A beside every linear layer of the decoder; every other weight frozen
-        lora.add_adapters(model, cfg.lora_rank, cfg.lora_alpha)
-        model.lora_scale = cfg.lora_alpha / cfg.lora_rank
+    if adapted:  # Part 2
+        add_lora(model, cfg)
     if cfg.grad_checkpointing and not reference:  # only each layer's input is kept; the rest recomputed
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()  # HF checkpoints only in train mode (Qwen2 has no dropout to switch on)
@@ -1468,13 +1601,16 @@ def check_resume(saved, cfg):
 
 
 def save_checkpoint(run, step):
-    """checkpoints/step_N/: dcp/ (fp32 model and optimizer shards, each rank its own: what resume
-    reads), model/ (the Hugging Face export), rng_rank*.pt and state.json. Written under a temporary
-    name and renamed, so a kill mid-save leaves the previous one usable; the last K are kept."""
+    """checkpoints/step_N/, every --save-every steps and after the last: dcp/ (fp32 model and optimizer
+    shards, each rank its own: what resume reads), model/ (the Hugging Face export), rng_rank*.pt and
+    state.json. Written under a temporary name and renamed, so a kill mid-save leaves the previous one
+    usable; the last K are kept."""
     import shutil
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     cfg = run.cfg
+    if not ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps):
+        return
     run.state.update(step=step, sampler=[run.sampler.epoch, run.sampler.pos], config=dataclasses.asdict(cfg),
                      set_aside=sorted(run.sampler.skip), solved=run.solved, carried=saved_carried(run.carried))
     root = os.path.join(cfg.out_dir, "checkpoints")
@@ -1532,7 +1668,7 @@ def restore_carried(groups, cfg):
     if other:
         print0(f"resume: dropped the {len(other)} carried groups of {len(other[0])} responses (--group-size is now "
                f"{cfg.group_size})")
-    return carry([g for g in groups if len(g) == cfg.group_size], cfg.prompts_per_step // 2)[0]
+    return keep_surplus([g for g in groups if len(g) == cfg.group_size], cfg.prompts_per_step // 2)[0]
 
 
 def load_checkpoint(ckpt, model, opt):
@@ -1618,16 +1754,6 @@ class Sampler:
         if self.n - len(self.skip) < self.keep:
             self.skip.clear()
         return len(self.skip)
-
-
-def carry(groups, n):
-    """--carry-surplus: the first n surplus groups (a step's batch of N takes at most N // 2 of them, so that
-    at least half of it is the step's own), marked; the rest are dropped. Their tokens stay on the rank that
-    generated them, and their vLLM log-probs are a step old: the sync gap leaves them out; the rollout
-    corrections do not. Returns (the carried groups, how many were dropped)."""
-    for s in (s for g in groups[:n] for s in g):
-        s["carried"] = True
-    return groups[:n], len(groups[n:])
 
 
 def prepare_data(cfg, tokenizer, train, held):
@@ -1784,8 +1910,9 @@ def set_up(cfg):
     return run
 
 
-def progress(run):
-    """The rollout steps left (from the checkpoint's on resume), with a tqdm bar on rank 0."""
+def steps_left(run):
+    """The rollout steps left (from the checkpoint's on resume), with a tqdm bar on rank 0; each step's
+    clock (to_trainers and push_weights stamp its phases) and byte count start at 0."""
     from tqdm import tqdm
     start = run.state["step"]
     run.bar = tqdm(range(start, run.cfg.steps), desc="DAPO", disable=rank() != 0, dynamic_ncols=True,
@@ -1793,16 +1920,17 @@ def progress(run):
     interrupt.STATE["bar"] = run.bar  # for the Ctrl-C message (lib/interrupt.py)
     for step in run.bar:
         interrupt.STATE["step"] = run.step = step + 1
+        run.clock, run.meta_bytes = {"start": time.perf_counter()}, 0
         yield step
     run.bar.close()
 
 
-def log_step(run, step, m, every, samples, lr, ticks, evals):
+def log_step(run, step, m, generated, samples, evals):
     """The step's metrics to metrics.jsonl (and W&B), a few samples to samples.jsonl, one line to the
-    screen. every: all generated samples; samples: the kept ones; ticks: the phases' start times."""
-    cfg = run.cfg
+    screen. generated: every group generated; samples: the kept ones; evals: the step's evaluation."""
+    cfg, every = run.cfg, [s for g in generated for s in g]
     lens = [s["len"] for s in every]
-    start, update, sync, end = ticks
+    start, update, sync, end = (run.clock[k] for k in ("start", "update", "sync", "end"))
     own = {}  # the reward's own numbers: score/<name>, the mean over the responses that give it
     for s in every:
         for k, v in s.get("metrics", {}).items():
@@ -1811,7 +1939,7 @@ def log_step(run, step, m, every, samples, lr, ticks, evals):
               "score/mean": sum(s["score"] for s in every) / len(every), **{k: sum(v) / len(v) for k, v in own.items()},
               "acc/mean": sum(s["success"] for s in every) / len(every),
               "len/mean": sum(lens) / len(lens), "len/max": max(lens),
-              "len/truncated_frac": sum(s["truncated"] for s in every) / len(every), "lr": lr,
+              "len/truncated_frac": sum(s["truncated"] for s in every) / len(every),
               "gen/responses": len(every),
               "entropy/generated": m.pop("gen/nll") / max(1, m.pop("gen/tokens")),
               "time/update": sync - update, "time/sync": end - sync, "time/step": end - start,

@@ -79,7 +79,7 @@ def main():
         dapo.overlong_filtering(samples, cfg)
         dapo.distribute(samples, cfg)
         t1 = time.perf_counter()
-        m = dapo.update_policy(run, samples)
+        m = dapo.update_policy(run, samples, step)
         t2 = time.perf_counter()
         dapo.sync_weights(model, llm)
         t3 = time.perf_counter()
