@@ -1,5 +1,5 @@
-"""pytest's set-up for test_dapo.py: Python's bytecode cache, and the `gpu` marker. `pytest -m gpu` runs the
-tests that need CUDA and, without it, lists each one it skips with the reason."""
+"""pytest's set-up for test_dapo.py and tests/: Python's bytecode cache, and the `gpu` marker. `pytest -m gpu` runs
+the tests that need CUDA and, without it, lists each one it skips with the reason."""
 import os
 import sys
 

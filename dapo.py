@@ -21,17 +21,18 @@ Naive GRPO is: --eps-high 0.2 --no-dynamic-sampling --no-token-level-loss
     python tools/gpu_check.py --model ...           # first, on a new GPU machine
 A real ~100M-parameter model on a laptop (2 CPU cores, the LAPTOP preset): held-out accuracy on
 2-digit sums rises from ~0.1 to ~0.6-0.7 in ~10 minutes:
-    python examples/fewshot_addition.py data/add && python dapo.py --model $(python tools/real_model.py) \\
-        --train-data data/add/train.jsonl --eval-data data/add/eval.jsonl
+    python examples/fewshot_addition.py data/add
+    python dapo.py --model $(python tools/real_model.py) --train-data data/add/train.jsonl \\
+        --eval-data data/add/eval.jsonl
 
-The file has three parts. Part 1 is DAPO and what runs it, in run order: the config, the records of
-a sample and of the run, the paper's equations as pure functions, train() (Algorithm 1), the rollout
-and its filter, the update, evaluation. It leaves out what came after DAPO; Part 2 adds it, each behind
-a flag and off by default: later objectives and advantage estimators (the tables OBJECTIVES and
-ADV_ESTIMATORS), rollout corrections, a KL penalty, carried surplus, skipped prompts, LoRA. Part 3 is
-the plumbing: vLLM in this process, FSDP2, packed rows, checkpoints, logs. Where Part 1 calls Part 2 or
-3, the line says so. Beside this file: reward.py (Eq. 7's checker), lib/ (what this file imports),
-tools/ (scripts that import it), examples/ (tasks of one's own).
+The file has three parts. Part 1 is DAPO and what runs it, in run order: the config, the records
+of a sample and of the run, the paper's equations as pure functions, train() (Algorithm 1), the
+rollout and its filter, the update, evaluation. It leaves out what came after DAPO; Part 2 adds it,
+each behind a flag and off by default: later objectives and advantage estimators (the tables
+OBJECTIVES and ADV_ESTIMATORS), rollout corrections, a KL penalty, carried surplus, skipped
+prompts, LoRA. Part 3 is the plumbing: vLLM in this process, FSDP2, packed rows, checkpoints, logs.
+Where Part 1 calls Part 2 or 3, the line says so. Beside this file: reward.py (Eq. 7's checker),
+lib/ (what this file imports), tools/ (scripts that import it), examples/ (tasks of one's own).
 """
 
 import atexit
@@ -57,10 +58,12 @@ import reward  # the answer checker (Eq. 7), beside this file
 
 # Checks of the user's files (Part 3) live in lib/: bad input is one line, before anything slow.
 from lib import check_data, interrupt, lora
-from lib.dist import (STALE_SHM, all_gather_objects, all_to_all_objects, compute_device, full_tensor,
-                      init_distributed, own_ipc_dir, print0, rank, unlink_group_shm, world)
-from lib.check_data import InputError as DapoError, check_checkpoint, check_model, check_weights, one_line
-from lib.check_data import cpu_batch_note, field_helps, latest_checkpoint, load as load_data, step_dirs
+from lib.dist import (STALE_SHM, all_gather_objects, all_to_all_objects, compute_device,
+                      full_tensor, init_distributed, own_ipc_dir, print0, rank, unlink_group_shm,
+                      world)
+from lib.check_data import InputError as DapoError
+from lib.check_data import check_checkpoint, check_model, check_weights, cpu_batch_note, field_helps
+from lib.check_data import latest_checkpoint, load as load_data, one_line, step_dirs
 
 
 # =========================================================================================
@@ -74,7 +77,8 @@ from lib.check_data import cpu_batch_note, field_helps, latest_checkpoint, load 
 class Config:
     # DAPO: Table 1's techniques (each one flag: the table is a set of command lines)
     eps_low: float = 0.2             # ε_low (Eq. 10) {(0, 1]}
-    eps_high: float = 0.28           # ε_high, Clip-Higher (Sec. 3.1); 0.2 = symmetric GRPO clip {> 0}
+    eps_high: float = 0.28           # ε_high, Clip-Higher (Sec. 3.1); 0.2 = symmetric GRPO clip
+    #  {> 0}
     dynamic_sampling: bool = True    # Eq. 11: keep groups with 0 < #correct < G, refill the batch
     token_level_loss: bool = True    # Eq. 12: normalise by all tokens; off = GRPO's per-sample mean
     overlong_filtering: bool = True  # Sec. 3.4: mask the loss of truncated samples
@@ -83,60 +87,72 @@ class Config:
     # DAPO: the paper's hyper-parameters (Sec. 4.1)
     prompts_per_step: int = 512      # N: prompts (groups) in one training batch {>= 1}
     group_size: int = 16             # G: responses sampled per prompt {>= 2: Eq. 9 needs a group}
-    gen_batch_size: int = 1536       # prompts per generation batch (the reference run: 3 x 512) {>= 1}
+    gen_batch_size: int = 1536       # prompts per generation batch (the reference run: 3 x 512)
+    #  {>= 1}
     max_gen_batches: int = 10        # give up filling one batch after this many generation batches
     #  {>= 1: there is no "no limit": give a large number}
     max_response_len: int = 20480    # L_max (Eq. 13): generation stops here (truncated) {>= 1}
-    temperature: float = 1.0         # sampling temperature for training rollouts {[0.01, 2]: vLLM's range}
+    temperature: float = 1.0         # sampling temperature for training rollouts
+    #  {[0.01, 2]: vLLM's range}
     top_p: float = 1.0               # top-p of training rollouts: 1 (π_θold ignores a cut) {(0, 1]}
     num_mini_batches: int = 16       # μ: gradient updates per rollout step {>= 1}
     lr: float = 1e-6                 # AdamW learning rate {> 0}
     warmup_steps: int = 20           # linear warm-up, in rollout steps; 0 = none
     weight_decay: float = 0.1        # AdamW weight decay (the reference run's); 0 = none
-    grad_clip: float = 1.0           # max global grad norm; 0 = no clipping (the norm is still logged)
-    # after DAPO (Part 2), each off by default: OBJECTIVES gives each --loss's preset and own settings
+    grad_clip: float = 1.0           # max global grad norm; 0 = no clipping (the norm is still
+    #  logged)
+    # after DAPO (Part 2), each off by default: OBJECTIVES gives each --loss's preset, settings
     loss: str = "dapo"               # the objective: dapo (Eq. 10, 12), or a later one (OBJECTIVES)
     adv_estimator: str = "grpo"      # A_i from the group's rewards: grpo (Eq. 9) or a later one
     #  (ADV_ESTIMATORS)
-    sapo_tau_pos: float = 1.0        # --loss sapo: the soft gate's temperature τ_pos where A > 0 {> 0}
+    sapo_tau_pos: float = 1.0        # --loss sapo: the soft gate's temperature τ_pos where A > 0
+    #  {> 0}
     sapo_tau_neg: float = 1.05       # --loss sapo: τ_neg, where A <= 0 {> 0}
-    dppo_anchor: str = "rollout"     # --loss dppo_*: the trust region's centre: rollout (π_rollout, the
-    #  authors' dppo_binary_*) or recompute (π_θold, their *_recompute); the ratio is π_θ / π_rollout either way
-    dppo_ratio_cap: float = 10.0     # --loss dppo_*: c, the ratio's truncation (the authors' loss; verl's
-    #  actor config: 3) {> 0}
-    clip_cov_ratio: float = 2e-4     # --loss clip_cov: the share of tokens whose gradient is cut {(0, 1]}
+    dppo_anchor: str = "rollout"     # --loss dppo_*: the trust region's centre: rollout (π_rollout,
+    #  the authors' dppo_binary_*) or recompute (π_θold, their *_recompute); the ratio is π_θ /
+    #  π_rollout either way
+    dppo_ratio_cap: float = 10.0     # --loss dppo_*: c, the ratio's truncation (the authors' loss;
+    #  verl's actor config: 3) {> 0}
+    clip_cov_ratio: float = 2e-4     # --loss clip_cov: the share of tokens whose gradient is cut
+    #  {(0, 1]}
     clip_cov_lb: float = 1.0         # --loss clip_cov: the covariance's lower bound for a cut token
-    clip_cov_ub: float = 5.0         # --loss clip_cov: the covariance's upper bound for a cut token {> 0}
-    kl_cov_ratio: float = 2e-4       # --loss kl_cov: the share of tokens that get the KL penalty {(0, 1]}
+    clip_cov_ub: float = 5.0         # --loss clip_cov: the covariance's upper bound for a cut token
+    #  {> 0}
+    kl_cov_ratio: float = 2e-4       # --loss kl_cov: the share of tokens that get the KL penalty
+    #  {(0, 1]}
     kl_cov_coef: float = 0.1         # --loss kl_cov: the penalty's coefficient on |log r| {> 0}
-    dual_clip: float = 0.0           # dual-clip PPO's c > 1: bounds the loss where A < 0 (the reference run:
-    #  10); 0 = off
-    kl_coef: float = 0.0             # β: GRPO's k3 KL penalty to the frozen initial policy (DAPO drops it,
-    #  Sec. 2.3); 0 = off, no reference model loaded
-    top_entropy_quantile: float = 1.0  # ρ: only the mini-batch's top-ρ entropy tokens bear the policy
-    #  loss; 1.0 = off, every token {(0, 1]}
-    tis_mode: str = "token_truncate"  # importance weights π_θold / π_rollout per token or per sequence:
-    #  token_truncate, token_mask, sequence_truncate or sequence_mask
+    dual_clip: float = 0.0           # dual-clip PPO's c > 1: bounds the loss where A < 0 (the
+    #  reference run: 10); 0 = off
+    kl_coef: float = 0.0             # β: GRPO's k3 KL penalty to the frozen initial policy (DAPO
+    #  drops it, Sec. 2.3); 0 = off, no reference model loaded
+    top_entropy_quantile: float = 1.0  # ρ: only the mini-batch's top-ρ entropy tokens bear the
+    #  policy loss; 1.0 = off, every token {(0, 1]}
+    tis_mode: str = "token_truncate"  # importance weights π_θold / π_rollout per token or per
+    #  sequence: token_truncate, token_mask, sequence_truncate or sequence_mask
     tis_cap: float = 0.0             # the weights' upper bound C; 0 = off (the paper)
     tis_min: float = 0.0             # the weights' lower bound; 0 = none
-    off_policy_mask: float = 0.0     # δ: drop the A < 0 sequences whose mean log π_rollout - log π_θ
-    #  exceeds δ; 0 = off
-    carry_surplus: bool = False      # groups that pass Eq. 11 beyond the batch's N train in the next step
-    #  (first, at most N/2 of them, one step old) instead of being dropped
-    skip_solved: int = 0             # set aside, for the rest of the run, a prompt whose G responses were all
-    #  right in each of its last K draws (while a generation batch's worth of prompts is left); 0 = off
-    lora_rank: int = 0               # r: LoRA adapters on every linear layer of the decoder (attention's q, k,
-    #  v, o, the MLP's gate, up, down), the rest frozen; 0 = every weight trains
+    off_policy_mask: float = 0.0     # δ: drop the A < 0 sequences whose mean log π_rollout - log
+    #  π_θ exceeds δ; 0 = off
+    carry_surplus: bool = False      # groups that pass Eq. 11 beyond the batch's N train in the
+    #  next step (first, at most N/2 of them, one step old) instead of being dropped
+    skip_solved: int = 0             # set aside, for the rest of the run, a prompt whose G
+    #  responses were all right in each of its last K draws (while a generation batch's worth of
+    #  prompts is left); 0 = off
+    lora_rank: int = 0               # r: LoRA adapters on every linear layer of the decoder
+    #  (attention's q, k, v, o, the MLP's gate, up, down), the rest frozen; 0 = every weight trains
     lora_alpha: float = 32.0         # α: the adapters' update is (α / r) B A {> 0}
     # the run: data, model, steps, evaluation, logging
     model: str = ""                  # HF model dir or hub name; "" = the built-in tiny demo model
-    train_data: str = ""             # parquet (verl schema), JSONL or a .json array; "" = the built-in task
+    train_data: str = ""             # parquet (verl schema), JSONL or a .json array; "" = the
+    #  built-in task
     eval_data: str = ""              # held-out file, same formats; "" = built-in held-out split
     dedup: bool = True               # drop repeated prompts (DAPO-Math-17k repeats each ~100x)
-    task: str = "add"                # built-in task: add (2-digit sums) or carry (1-5 columns, the ladder's)
-    reward: str = "reward:math_reward"  # R (Eq. 7): module:function or path/to/file.py:function, called as
-    #  fn(response, row) -> bool, number or dict (reward.py's docstring), in the checker's worker processes,
-    #  which import it at start-up; the trainer's never does. Default: reward.py's math checker
+    task: str = "add"                # built-in task: add (2-digit sums) or carry (1-5 columns, the
+    #  ladder's)
+    reward: str = "reward:math_reward"  # R (Eq. 7): module:function or path/to/file.py:function,
+    #  called as fn(response, row) -> bool, number or dict (reward.py's docstring), in the checker's
+    #  worker processes, which import it at start-up; the trainer's never does. Default: reward.py's
+    #  math checker
     max_prompt_len: int = 2048       # longer prompts are dropped at load time {>= 1}
     steps: int = 200                 # rollout steps {>= 1}
     seed: int = 0                    # everything random derives from this (>= 0)
@@ -149,97 +165,109 @@ class Config:
     save_every: int = 0              # checkpoint every N rollout steps; 0 = only at the end
     keep_checkpoints: int = 2        # keep the last K checkpoints; 0 = keep all
     resume: bool = False             # continue from the latest checkpoint in out_dir
-    eval_only: bool = False          # evaluate --model (or, with --resume, the latest checkpoint) and exit
+    eval_only: bool = False          # evaluate --model (or, with --resume, the latest checkpoint)
+    #  and exit
     log_samples: int = 4             # sampled responses per step written to samples.jsonl; 0 = none
-    wandb_project: str = ""          # log to Weights & Biases under this project (needs `pip install wandb`)
-    demo_sft_target: float = 0.3     # demo only: the warm-start's target accuracy; 0 = none {[0, 1]}
-    save_dtype: str = ""             # dtype of the checkpoints' HF export: bfloat16 or float32; "" = bfloat16,
-    #  and float32 with --lora-rank (bf16 would round the merged adapters' small updates away)
+    wandb_project: str = ""          # log to Weights & Biases under this project (needs `pip
+    #  install wandb`)
+    demo_sft_target: float = 0.3     # demo only: the warm-start's target accuracy; 0 = none
+    #  {[0, 1]}
+    save_dtype: str = ""             # dtype of the checkpoints' HF export: bfloat16 or float32; ""
+    #  = bfloat16, and float32 with --lora-rank (bf16 would round the merged adapters' small updates
+    #  away)
     hf_shard_gb: float = 5.0         # largest safetensors file of the Hugging Face export, GB {> 0}
-    max_nonfinite: int = 10          # stop after this many steps in a row skipped for NaN/inf {>= 1}
-    max_sync_diff: float = 0.1       # stop if the trainer's and vLLM's log-probs differ by more; 0 = off
-    #   (mean over the kept samples' tokens, nats: healthy bf16 runs report ~0.01-0.04, a broken sync 0.3+)
+    max_nonfinite: int = 10          # stop after this many steps in a row skipped for NaN/inf
+    #  {>= 1}
+    max_sync_diff: float = 0.1       # stop if the trainer's and vLLM's log-probs differ by more; 0
+    #  = off (mean over the kept samples' tokens, nats: healthy bf16 runs report ~0.01-0.04, a
+    #  broken sync 0.3+)
     reward_timeout: float = 5.0      # hard per-item limit of the answer checker, seconds {> 0}
     reward_workers: int = 2          # checker worker processes per rank {>= 1}
     # the hardware: memory, precision, parallelism, the engine
     micro_batch_size: int = 4        # sequences per forward/backward on one rank {>= 1}
-    micro_batch_tokens: int = 0      # micro-batches by this budget of real tokens; 0 = by --micro-batch-size
+    micro_batch_tokens: int = 0      # micro-batches by this budget of real tokens; 0 = by
+    #  --micro-batch-size
     logprob_chunk: int = 1024        # tokens per chunk of the memory-lean log-prob path {>= 1}
     grad_checkpointing: bool = False  # recompute each decoder layer's activations in backward
-    cpu_offload: bool = False        # CUDA only: keep sharded params, grads and optimizer state in CPU RAM
-    precision: str = ""              # bf16 (bf16 compute, fp32 master weights and reductions, an fp32 output
-    #  head) or fp32, in the trainer and vLLM alike; "" = bf16 on CUDA, fp32 on CPU
-    attn_impl: str = ""              # trainer attention: flex_attention, flash_attention_2 or sdpa; "" = flex
-    #   on CUDA (sequences packed in one row, block-sparse masks), sdpa on CPU (rows, dense masks)
-    tp_size: int = 1                 # vLLM tensor-parallel size (TP groups = contiguous ranks) {>= 1}
+    cpu_offload: bool = False        # CUDA only: keep sharded params, grads and optimizer state in
+    #  CPU RAM
+    precision: str = ""              # bf16 (bf16 compute, fp32 master weights and reductions, an
+    #  fp32 output head) or fp32, in the trainer and vLLM alike; "" = bf16 on CUDA, fp32 on CPU
+    attn_impl: str = ""              # trainer attention: flex_attention, flash_attention_2 or sdpa;
+    #  "" = flex on CUDA (sequences packed in one row, block-sparse masks), sdpa on CPU (rows, dense
+    #  masks)
+    tp_size: int = 1                 # vLLM tensor-parallel size (TP groups = contiguous ranks)
+    #  {>= 1}
     gpu_memory_utilization: float = 0.6  # vLLM's share of GPU memory (weights + KV cache) {(0, 1]}
     cpu_kv_cache_gb: float = 1.0     # vLLM KV cache on the CPU backend, GiB per rank {> 0}
     vllm_sleep: bool = True          # CUDA only: free vLLM's memory while training
-    collective_timeout_min: float = 180.0  # minutes a rank may wait in a collective (torch: 30) {> 0}
-    deterministic: bool = False      # vLLM's batch-invariant kernels (CUDA) and torch's deterministic
-    #  algorithms (CPU runs are deterministic already)
+    collective_timeout_min: float = 180.0  # minutes a rank may wait in a collective (torch: 30)
+    #  {> 0}
+    deterministic: bool = False      # vLLM's batch-invariant kernels (CUDA) and torch's
+    #  deterministic algorithms (CPU runs are deterministic already)
 
 
 # -----------------------------------------------------------------------------------------
 # The sample: one dict per response, filled in as the step runs. Key: who sets it, what it holds.
-#   row, pos, prompt_ids   sample_groups: the prompt's row in the data, its place in the batch, its ids
-#   src                    sample_groups: the rank whose vLLM group generated it; it holds the tokens
-#   response_ids           vLLM: the response's token ids, EOS included (absent on a stub, see trainer)
+#   row, pos, prompt_ids   sample_groups: the prompt's data row, its place in the batch, its ids
+#   src                    sample_groups: the rank that generated it (and holds its tokens)
+#   response_ids           vLLM: the response's token ids, EOS included (absent on a stub: trainer)
 #   vllm_logp              vLLM: log π_rollout of each response token (absent on a stub)
 #   len, truncated         vLLM: |o_i|; whether generation was cut at --max-response-len
 #   text                   generate: the decoded response (dropped once scored)
-#   score, success         --reward (Eq. 7: ±1 and the verdict; a reward of one's own: any number, and
-#                          whether it counts as a success, for acc/mean, avg@k and pass@k)
-#   answer, metrics        --reward, where it gives them: what the response answered (maj@k); score/<name>
-#   failed                 --reward raised, crashed, overran or returned garbage (its score: the group's lowest)
+#   score, success         --reward (Eq. 7: ±1 and the verdict; a reward of one's own: any number,
+#                          and whether it counts as a success, for acc/mean, avg@k and pass@k)
+#   answer, metrics        --reward, where it gives them: the answer read (maj@k); score/<name>
+#   failed                 --reward raised, crashed, overran or returned garbage (group's lowest)
 #   reward                 shape_rewards: the score plus Eq. 13's penalty
 #   adv                    set_advantages: A_i (Eq. 9, or --adv-estimator's)
 #   trained                overlong_filtering (Sec. 3.4): False masks the sample's loss
-#   trainer                to_trainers (Part 3): the rank that trains it; on every other rank the sample
-#                          is a stub (no tokens), which the update reads only for its length
-#   old_logp               old_logprobs (Part 3): log π_θold of each response token, before any update
-#   ref_logp, old_entropy  old_logprobs (Part 3): log π_ref (--kl-coef); π_θold's entropy (--top-entropy-
-#                          quantile)
+#   trainer                to_trainers (Part 3): the rank that trains it; on every other rank the
+#                          sample is a stub (no tokens), which the update reads only for its length
+#   old_logp               old_logprobs (Part 3): log π_θold of each response token
+#   ref_logp, old_entropy  old_logprobs (Part 3): log π_ref (--kl-coef); π_θold's entropy
+#                          (--top-entropy-quantile)
 #   carried                --carry-surplus (Part 2): a group of the step before
-#   dummy                  micro_batches (Part 3): a zero-weight pad stub that keeps FSDP's ranks in step
+#   dummy                  micro_batches (Part 3): a zero-weight stub keeping FSDP's ranks in step
 #
 # The run: what set_up (Part 3) builds for the loop. Key: what it holds.
 #   cfg, device            the Config; this rank's accelerator (or the CPU)
-#   llm, tokenizer, pad_id vLLM in this process (it samples from π_θold); the tokenizer; its padding id
+#   llm, tokenizer, pad_id vLLM in this process (it samples from π_θold); the tokenizer; its pad id
 #   model, opt             π_θ, sharded with FSDP2 (fp32 master weights), and its AdamW
-#   train_rows, train_ids  the data rows and their prompts' token ids (eval_rows, eval_ids: held out)
+#   train_rows, train_ids  the data rows, their prompts' token ids (eval_rows, eval_ids: held out)
 #   sampler                an endless shuffled pass over train_rows: take(k) gives k row indices
-#   state, ckpt            what a checkpoint saves (step, data order, the first evaluation); the one resumed
-#   carried, solved, ref   after DAPO (Part 2): --carry-surplus's groups, --skip-solved's record, π_ref
+#   state, ckpt            what a checkpoint saves (step, data order, the first evaluation); the
+#                          checkpoint resumed, or None
+#   carried, solved, ref   after DAPO (Part 2): --carry-surplus's groups, --skip-solved's record,
+#                          π_ref (--kl-coef)
 
 
 # -----------------------------------------------------------------------------------------
-# The maths, in the paper's order (Eq. 7, the reward, is reward.py's): pure functions, tensors in and out.
+# The maths, in the paper's order (Eq. 7, the reward, is reward.py's): pure functions.
 
 # What an objective reads of one micro-batch, per token, (B, T) each: Eq. 9's r_{i,t} ("ratio", and
 # its log) and Â_{i,t} ("adv", (B, 1): A_i on every token of o_i), the log-probs they come from, the
-# mask of the trained tokens, and vLLM's own log-probs (a later objective's; π_θold's if none read them).
-Tokens = NamedTuple("Tokens", [("logp", torch.Tensor), ("old_logp", torch.Tensor), ("log_ratio", torch.Tensor),
-                               ("ratio", torch.Tensor), ("adv", torch.Tensor), ("mask", torch.Tensor),
-                               ("rollout_logp", torch.Tensor)])
-# Eq. 12's denominator, decided once per mini-batch (loss_normaliser): each sample's mean first (GRPO),
-# or every token alike (DAPO), then divided by n, a count over the WHOLE mini-batch (every micro-batch
-# and rank), so that the micro-batch losses add up exactly.
+# mask of the trained tokens, and vLLM's own log-probs (for a later objective; else π_θold's).
+Tokens = NamedTuple("Tokens", [(name, torch.Tensor) for name in (
+    "logp", "old_logp", "log_ratio", "ratio", "adv", "mask", "rollout_logp")])
+# Eq. 12's denominator, decided once per mini-batch (loss_normaliser): each sample's mean first
+# (GRPO), or every token alike (DAPO), then divided by n, a count over the WHOLE mini-batch (every
+# micro-batch and rank), so that the micro-batch losses add up exactly.
 Normaliser = NamedTuple("Normaliser", [("per_sample", bool), ("n", float)])
 
 
 def policy_loss(logp, old_logp, advantages, mask, cfg, denom=None, more=None):
-    """Eq. 8, J_DAPO, over one micro-batch, as a loss to minimise: the token losses of Eq. 10 (or of a
-    later --loss, OBJECTIVES in Part 2), divided by Eq. 12's count (denom; None: this batch's tokens).
-    logp, old_logp, mask: (B, T); advantages: (B,). more: what the flags after DAPO add (Part 2's
-    loss_terms), None for the paper's objective. Returns (loss, stats)."""
-    log_ratio = torch.where(mask.bool(), logp - old_logp, 0.0).clamp(-20.0, 20.0)  # as verl: exp() stays finite
-    ratio = torch.exp(log_ratio)  # Eq. 9's r_{i,t} = π_θ(o_{i,t} | q, o_{i,<t}) / π_θold(o_{i,t} | q, o_{i,<t})
+    """Eq. 8, J_DAPO, over one micro-batch, as a loss to minimise: the token losses of Eq. 10 (or of
+    a later --loss, OBJECTIVES in Part 2), divided by Eq. 12's count (denom; None: this batch's
+    tokens). logp, old_logp, mask: (B, T); advantages: (B,). more: what the flags after DAPO add
+    (Part 2's loss_terms), None for the paper's objective. Returns (loss, stats)."""
+    log_ratio = torch.where(mask.bool(), logp - old_logp, 0.0).clamp(-20.0, 20.0)  # as verl's
+    ratio = torch.exp(log_ratio)  # Eq. 9's r_{i,t} = π_θ(o_{i,t} | q, o_{i,<t}) / π_θold(...)
     rollout = (more or {}).get("rollout_logp", old_logp)
     t = Tokens(logp, old_logp, log_ratio, ratio, advantages.unsqueeze(-1), mask, rollout)
-    per_token, low, high, *own = OBJECTIVES[cfg.loss]["token_loss"](t, cfg)  # Eq. 10: dapo_token_loss
+    per_token, low, high, *own = OBJECTIVES[cfg.loss]["token_loss"](t, cfg)  # dapo_token_loss
     stats = own[0] if own else {}
-    per_token = adjust_token_losses(per_token, t, cfg, more or {}, stats)  # Part 2: none for the paper's
+    per_token = adjust_token_losses(per_token, t, cfg, more or {}, stats)  # Part 2: none by default
     denom = denom or Normaliser(per_sample=False, n=mask.sum())
     masked = per_token * mask
     if denom.per_sample:  # GRPO: each sample weighs the same, whatever its length
@@ -249,38 +277,39 @@ def policy_loss(logp, old_logp, advantages, mask, cfg, denom=None, more=None):
     with torch.no_grad():  # means over the trained tokens
         mean = lambda x: (x * mask).sum() / mask.sum().clamp(min=1)  # noqa: E731
         stats.update({"clip/low_frac": mean(low), "clip/high_frac": mean(high),
-                      "approx_kl": mean(ratio - 1 - log_ratio)})  # k3 estimate of KL(π_θold || π_θ)
+                      "approx_kl": mean(ratio - 1 - log_ratio)})  # k3: KL(π_θold || π_θ)
     return total / max(float(denom.n), 1.0), stats
 
 
 def group_advantages(rewards, group_size, eps=1e-6):
-    """Eq. 9: Â_{i,t} = (R_i - mean(R_group)) / (std(R_group) + eps), the unbiased std, for every token t of
-    o_i. rewards: (B,), groups as contiguous blocks of G -> (B,)."""
+    """Eq. 9: Â_{i,t} = (R_i - mean(R_group)) / (std(R_group) + eps), the unbiased std, for every
+    token t of o_i. rewards: (B,), groups as contiguous blocks of G -> (B,)."""
     r = rewards.view(-1, group_size).float()
     return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True, unbiased=True) + eps)).view(-1)
 
 
 def dapo_token_loss(t, cfg):
-    """Eq. 10, Clip-Higher: -min(r Â, clip(r, 1 - ε_low, 1 + ε_high) Â) per token (t: Tokens), ε_high
-    decoupled from ε_low. The clip binds (no gradient) only on the side Â pushes; returns the token
-    losses and where it binds, below and above (bool (B, T), for clip/low_frac and clip/high_frac)."""
+    """Eq. 10, Clip-Higher: -min(r Â, clip(r, 1 - ε_low, 1 + ε_high) Â) per token (t: Tokens),
+    ε_high decoupled from ε_low. The clip binds (no gradient) only on the side Â pushes. Returns
+    the token losses and where it binds, below and above ((B, T) bool: clip/low_frac, high_frac)."""
     r, adv = t.ratio, t.adv
     loss = -torch.min(r * adv, torch.clamp(r, 1 - cfg.eps_low, 1 + cfg.eps_high) * adv)
     return loss, (r < 1 - cfg.eps_low) & (adv < 0), (r > 1 + cfg.eps_high) & (adv > 0)
 
 
 def dynamic_sampling_mask(scores, group_size, rtol=1e-4):
-    """Eq. 11's 0 < |{o_i : is_equivalent(a, o_i)}| < G, on the rewards before Eq. 13 (whose length penalty
-    would set apart almost any group): the groups whose rewards differ, exactly Eq. 11 for ±1, and for a
-    graded reward the groups with a spread. A spread of at most rtol times the batch's largest |reward| is
-    float noise: Eq. 9 would blow it up into full-size advantages. (B,) -> (B // G,) bool."""
+    """Eq. 11's 0 < |{o_i : is_equivalent(a, o_i)}| < G, on the rewards before Eq. 13 (whose length
+    penalty would set apart almost any group): the groups whose rewards differ, exactly Eq. 11 for
+    ±1, and for a graded reward the groups with a spread. A spread of at most rtol times the batch's
+    largest |reward| is float noise, which Eq. 9 would blow up into full-size advantages.
+    (B,) -> (B // G,) bool."""
     r = scores.view(-1, group_size).float()
     return r.amax(1) - r.amin(1) > rtol * scores.abs().max()
 
 
 def loss_normaliser(mini, cfg):
-    """Eq. 12's denominator for a mini-batch (`mini`: every rank's samples): all its trained tokens; off,
-    GRPO's count of samples (each sample's mean first); a later objective's own (OBJECTIVES)."""
+    """Eq. 12's denominator for a mini-batch (`mini`: every rank's samples): its trained tokens;
+    with --no-token-level-loss, GRPO's count of samples; a later objective's own (OBJECTIVES)."""
     trained = [s for s in mini if s["trained"]]
     how = OBJECTIVES[cfg.loss].get("norm") or ("token" if cfg.token_level_loss else "sample")
     if how == "max_len":  # a constant, L_max x samples (Dr. GRPO)
@@ -305,8 +334,8 @@ def overlong_filtering(samples, cfg):
 
 
 def warmup_lr(step, cfg):
-    """Sec. 4.1's schedule: a constant lr after a linear warm-up over the first warmup_steps rollout steps,
-    from lr / warmup_steps (not 0). step counts from 0."""
+    """Sec. 4.1's schedule: a constant lr after a linear warm-up over the first warmup_steps
+    rollout steps, from lr / warmup_steps (not 0). step counts from 0."""
     return cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
 
 
@@ -314,7 +343,7 @@ def warmup_lr(step, cfg):
 # The loop: the paper's Algorithm 1
 
 def train(cfg):
-    """Algorithm 1, its line numbers in the comments. Returns the held-out metrics (before, after)."""
+    """Algorithm 1, its line numbers in the comments. Returns held-out metrics (before, after)."""
     run = set_up(cfg)  # Part 3: checks, data, vLLM, the sharded policy and optimizer, resume, logs
     if cfg.eval_only:
         return evaluate(run, os.path.basename(run.path.rstrip("/")) or "model"), {}
@@ -323,21 +352,21 @@ def train(cfg):
     after = None
     for step in steps_left(run):  # 1: for step = 1, ..., M (Part 3: with a progress bar)
 
-        def draw(idx, b):  # 2, 4, 5: G responses to each prompt idx from π_θold, and their rewards (Eq. 7)
-            return sample_groups(run, run.train_rows, run.train_ids, idx, cfg.group_size, cfg.temperature,
-                                 cfg.top_p, (cfg.seed, step, b))
+        def draw(idx, b):  # 2, 4, 5: G responses to each prompt from π_θold, rewarded (Eq. 7)
+            return sample_groups(run, run.train_rows, run.train_ids, idx, cfg.group_size,
+                                 cfg.temperature, cfg.top_p, (cfg.seed, step, b))
 
-        # 6-7: Eq. 11 keeps the groups whose rewards differ, generation batch after batch, until N are kept
+        # 6-7: Eq. 11 keeps the groups whose rewards differ, batch after batch, until N are kept
         kept, surplus, generated, metrics = collect_batch(draw, run.sampler, cfg, run.carried)
         after_rollout(run, surplus, generated, metrics)  # Part 2: --carry-surplus, --skip-solved
         shape_rewards([s for g in generated for s in g], cfg)  # Eq. 13, added to Eq. 7's reward
         samples = [s for g in kept for s in g]
         metrics["batch/effective_groups"] = set_advantages(samples, cfg)  # 8: Â_{i,t} (Eq. 9)
         overlong_filtering(samples, cfg)  # Sec. 3.4
-        to_trainers(run, samples, metrics)  # Part 3: each sample's tokens to the rank that trains it
-        metrics.update(update_policy(run, samples, step))  # 9-10: μ updates of π_θ, maximising Eq. 8
-        metrics.update(push_weights(run))  # 3, for the next step: π_θold <- π_θ, into vLLM (Part 3)
-        if step + 1 == cfg.steps:  # the held-out evaluation, then the logs and the checkpoint (Part 3)
+        to_trainers(run, samples, metrics)  # Part 3: each sample's tokens to the rank training it
+        metrics.update(update_policy(run, samples, step))  # 9-10: μ updates maximising Eq. 8
+        metrics.update(push_weights(run))  # 3, for the next step: π_θold <- π_θ, in vLLM (Part 3)
+        if step + 1 == cfg.steps:  # held-out evaluation; the logs and the checkpoint (Part 3)
             evals = after = evaluate(run, "after")
         elif cfg.eval_every and (step + 1) % cfg.eval_every == 0:
             evals = evaluate(run, f"step {step + 1}")
@@ -345,7 +374,7 @@ def train(cfg):
             evals = {}
         log_step(run, step + 1, metrics, generated, samples, evals)
         save_checkpoint(run, step + 1)  # every --save-every steps, and after the last
-    first, after = run.state["first_eval"], after or evaluate(run, "after")  # resumed at the end: no step ran
+    first, after = run.state["first_eval"], after or evaluate(run, "after")  # none if resumed at M
     if first and after:
         key = f"eval/avg@{cfg.eval_samples}"
         print0(f"held-out accuracy: before {first[key]:.2f} -> after {after[key]:.2f}")
@@ -356,50 +385,55 @@ def train(cfg):
 # Rollout: generate with vLLM, score with reward.py, then dynamic sampling
 
 def sample_groups(run, rows, prompt_ids, idx, n, temperature, top_p, key):
-    """n scored responses to each prompt rows[i], i in idx. Each data-parallel vLLM group generates and
-    scores its share; every rank then gets every group back, in order, but a response's tokens stay on
-    the rank "src" that generated it (share_groups, Part 3). Returns (groups, stats)."""
+    """n scored responses to each prompt rows[i], i in idx. Each data-parallel vLLM group generates
+    and scores its share; every rank then gets every group back, in order, but a response's tokens
+    stay on the rank "src" that generated it (share_groups, Part 3). Returns (groups, stats)."""
     cfg = run.cfg
-    mine = my_prompts(len(idx), cfg.tp_size)  # Part 3: the TP ranks of a group share prompts and seeds
+    mine = my_prompts(len(idx), cfg.tp_size)  # Part 3: a TP group's ranks share prompts and seeds
     t0 = time.perf_counter()
-    local = generate(run, [prompt_ids[idx[j]] for j in mine], n, temperature, top_p, key)  # Part 3: vLLM
+    local = generate(run, [prompt_ids[idx[j]] for j in mine], n, temperature, top_p, key)  # vLLM
     t1 = time.perf_counter()
-    # Eq. 7 (R = ±1: is_equivalent(answer, truth)), or --reward's fn(response, row), under --reward-timeout
+    # Eq. 7 (R = ±1: is_equivalent(answer, truth)), or --reward's fn(response, row)
     try:
-        results, rstats = reward.score_batch([s["text"] for s in local], [rows[idx[j]] for j in mine for _ in range(n)],
-                                             cfg.reward, cfg.reward_timeout, cfg.reward_workers, group_size=n)
+        results, rstats = reward.score_batch(
+            [s["text"] for s in local], [rows[idx[j]] for j in mine for _ in range(n)], cfg.reward,
+            cfg.reward_timeout, cfg.reward_workers, group_size=n)
     except reward.RewardError as e:  # it stopped loading mid-run: no score can be trusted
         raise DapoError(str(e))
     for s, r in zip(local, results):
         s["score"], s["success"] = r["reward"], r["success"]
         s.update((k, r[k]) for k in ("answer", "metrics", "failed") if k in r)
-    stats = {"time/rollout": t1 - t0, "time/reward": time.perf_counter() - t1, "reward/timeouts": rstats["timeouts"],
-             "reward/errors": rstats["errors"], "gen/tokens": sum(s["len"] for s in local),
-             "gen/nll": -sum(sum(s["vllm_logp"]) for s in local)}  # / gen/tokens: ALL tokens' entropy
+    stats = {"time/rollout": t1 - t0, "time/reward": time.perf_counter() - t1,
+             "reward/timeouts": rstats["timeouts"], "reward/errors": rstats["errors"],
+             "gen/tokens": sum(s["len"] for s in local),  # and gen/nll: every token's entropy
+             "gen/nll": -sum(sum(s["vllm_logp"]) for s in local)}
     return share_groups(run, local, idx, prompt_ids, n, stats)
 
 
 def collect_batch(sample_fn, sampler, cfg, carried=()):
-    """Algorithm 1, lines 2-7: generation batches until N groups pass Eq. 11, or until the batches left
-    could not fill it at twice the keep rate so far. sample_fn(prompt indices, batch no) -> (groups, stats).
-    carried: groups of the step before (--carry-surplus, fewer than N), taken first. Returns (the N kept
-    groups, the surplus: the new groups past N, every group generated, stats)."""
+    """Algorithm 1, lines 2-7: generation batches until N groups pass Eq. 11, or until the batches
+    left could not fill it at twice the keep rate so far. sample_fn(prompt indices, batch no) ->
+    (groups, stats). carried: groups of the step before (--carry-surplus, fewer than N), taken
+    first. Returns (the N kept groups, the surplus: the new ones past N, every group generated,
+    stats)."""
     G, N = cfg.group_size, cfg.prompts_per_step
     size = cfg.gen_batch_size if cfg.dynamic_sampling else N
     kept, generated, passed, stats, b = list(carried), [], [], {}, 0
     while len(kept) < N:
         if b == cfg.max_gen_batches:
-            raise too_few_groups(len(kept), generated, b, cfg)  # Part 3: the error, with what to change
+            raise too_few_groups(len(kept), generated, b, cfg)  # Part 3: the error and its fixes
         groups, t = sample_fn(sampler.take(size), b)
         b += 1
         stats = {k: stats.get(k, 0) + v for k, v in t.items()}
         generated += groups
-        mixed = dynamic_sampling_mask(torch.tensor([s["score"] for g in groups for s in g]), G).tolist()
+        scores = torch.tensor([s["score"] for g in groups for s in g])
+        mixed = dynamic_sampling_mask(scores, G).tolist()
         passed += mixed
         if cfg.dynamic_sampling:  # Eq. 11, on the score, not the shaped reward
             groups = [g for g, k in zip(groups, mixed) if k]
         kept += groups
-        if len(kept) < N and len(kept) + 2 * (cfg.max_gen_batches - b) * size * sum(passed) / len(generated) < N:
+        at_twice = 2 * (cfg.max_gen_batches - b) * size * sum(passed) / len(generated)
+        if len(kept) < N and len(kept) + at_twice < N:  # the batches left, at twice the keep rate
             raise too_few_groups(len(kept), generated, b, cfg)
     stats.update({"filter/kept_frac": sum(passed) / len(generated), "filter/gen_batches": b,
                   "filter/carried": len(carried)})
@@ -407,8 +441,8 @@ def collect_batch(sample_fn, sampler, cfg, carried=()):
 
 
 def shape_rewards(samples, cfg):
-    """Each sample's "reward": its score (Eq. 7: +1 correct, -1 otherwise) plus Eq. 13's length penalty,
-    where the soft overlong punishment is on. Returns them, (B,)."""
+    """Each sample's "reward": its score (Eq. 7: +1 correct, -1 otherwise) plus Eq. 13's length
+    penalty, where the soft overlong punishment is on. Returns them, (B,)."""
     r = torch.tensor([float(s["score"]) for s in samples])
     if cfg.soft_overlong_punishment:
         r = r + overlong_penalty(torch.tensor([s["len"] for s in samples]), cfg.max_response_len,
@@ -419,10 +453,11 @@ def shape_rewards(samples, cfg):
 
 
 def set_advantages(samples, cfg):
-    """Eq. 9 (or --adv-estimator's, ADV_ESTIMATORS in Part 2) on the kept groups, into each sample's "adv".
-    Returns how many groups have advantages that are not all zero (they carry a gradient)."""
+    """Eq. 9 (or --adv-estimator's, ADV_ESTIMATORS in Part 2) on the kept groups, into each sample's
+    "adv". Returns how many groups have advantages not all zero (they carry a gradient)."""
     estimator = ADV_ESTIMATORS[cfg.adv_estimator]  # grpo: group_advantages, on the shaped rewards
-    adv = estimator["fn"](torch.tensor([float(s[estimator["reads"]]) for s in samples]), cfg.group_size)
+    values = torch.tensor([float(s[estimator["reads"]]) for s in samples])
+    adv = estimator["fn"](values, cfg.group_size)
     for s, a in zip(samples, adv.tolist()):
         s["adv"] = a
     return int((adv.view(-1, cfg.group_size) != 0).any(1).sum())
@@ -432,50 +467,50 @@ def set_advantages(samples, cfg):
 # Update: π_θold, then μ gradient steps with the exact token-level normaliser
 
 def update_policy(run, samples, step):
-    """Algorithm 1, lines 9-10: μ = num_mini_batches AdamW steps on the batch (each sample carries "adv" and
-    "trained"), at the warm-up's learning rate. A mini-batch with a non-finite loss or gradient norm on any
-    rank, or no trained token, steps no optimizer."""
+    """Algorithm 1, lines 9-10: μ = num_mini_batches AdamW steps on the batch (each sample carries
+    "adv" and "trained"), at the warm-up's learning rate. A mini-batch with a non-finite loss or
+    gradient norm on any rank, or no trained token, steps no optimizer."""
     cfg, lr = run.cfg, warmup_lr(step, run.cfg)
     for g in run.opt.param_groups:
         g["lr"] = lr
-    minis, my_micros = micro_batches(samples, cfg)  # Part 3: the mini-batches, this rank's micro-batches
+    minis, my_micros = micro_batches(samples, cfg)  # Part 3: this rank's micro-batches of each
     totals, grad_norms, skipped, sync = None, [], 0, {}
-    with tf32_head(run.device, cfg):  # Part 3: on CUDA in bf16, the fp32 head as an exact TF32 GEMM
-        old_logprobs(run, my_micros)  # Part 3: π_θold before any update (and what Part 2's flags read)
+    with tf32_head(run.device, cfg):  # Part 3: on CUDA in bf16, the fp32 head as a TF32 GEMM
+        old_logprobs(run, my_micros)  # Part 3: π_θold before any update (and what Part 2 reads)
         for mini, micros in zip(minis, my_micros):
-            threshold = selection_threshold(micros, cfg)  # Part 2: --top-entropy-quantile's, else None
+            threshold = selection_threshold(micros, cfg)  # Part 2: --top-entropy-quantile's
             run.opt.zero_grad(set_to_none=True)
             sums, tokens = policy_gradient(run, mini, micros, threshold)
-            if totals is None:  # every π_θold is known now, before any optimizer step
-                totals, sync = dict.fromkeys(sums, 0.0), check_sync(run, my_micros)  # Part 3: stops a broken sync
+            if totals is None:  # every π_θold is known now: a broken sync stops before any step
+                totals, sync = dict.fromkeys(sums, 0.0), check_sync(run, my_micros)  # Part 3
             grad_norm = clip_gradients(run, sums["loss"])  # Part 3: None if any rank saw NaN/inf
-            if grad_norm is None or tokens == 0:  # no step on NaN, nor with no trained token (AdamW would drift)
+            if grad_norm is None or tokens == 0:  # AdamW would drift on an all-masked batch too
                 skipped += grad_norm is None
                 continue
             run.opt.step()
             totals = {k: totals[k] + v for k, v in sums.items()}
             grad_norms.append(grad_norm)
     run.opt.zero_grad(set_to_none=True)
-    return {"lr": lr, **update_metrics(run, totals, grad_norms, skipped, my_micros, sync)}  # Part 3
+    return {"lr": lr, **update_metrics(run, totals, grad_norms, skipped, my_micros, sync)}
 
 
 def policy_gradient(run, mini, micros, threshold=None):
-    """Accumulate the gradient of Eq. 8 over one mini-batch (`mini`: every rank's samples; `micros`: this
-    rank's micro-batches). Returns (this rank's sums of the statistics, by name; the mini-batch's trained
-    tokens)."""
+    """Accumulate the gradient of Eq. 8 over one mini-batch (`mini`: every rank's samples; `micros`:
+    this rank's micro-batches). Returns (this rank's sums of the statistics, by name; the
+    mini-batch's trained tokens)."""
     cfg, device = run.cfg, run.device
     denom = loss_normaliser(mini, cfg)
     sums = {}
     for mb in micros:
-        batch = collate(mb, run.pad_id, device, packs_one_row(cfg))  # Part 3: the sequences, packed in rows
-        logp, ent = run.model.forward_logprobs(batch, cfg.temperature, cfg.logprob_chunk)  # Part 3: (B, T)
-        old = old_logp_of(mb, logp)  # Part 3: π_θold; the first mini-batch's is this pass, detached
+        batch = collate(mb, run.pad_id, device, packs_one_row(cfg))  # Part 3: packed rows
+        logp, ent = run.model.forward_logprobs(batch, cfg.temperature, cfg.logprob_chunk)  # (B, T)
+        old = old_logp_of(mb, logp)  # Part 3: π_θold; the first mini-batch's is this pass
         trained = torch.tensor([float(s["trained"]) for s in mb], device=device)
-        mask = batch["mask"] * trained[:, None]  # Sec. 3.4: an overlong-filtered sample's tokens are masked
+        mask = batch["mask"] * trained[:, None]  # Sec. 3.4: a filtered sample's tokens are masked
         adv = torch.tensor([s["adv"] for s in mb], device=device)
-        more = loss_terms(mb, logp, old, adv, mask, cfg, threshold)  # Part 2: None for the paper's objective
+        more = loss_terms(mb, logp, old, adv, mask, cfg, threshold)  # Part 2: None by default
         loss, stats = policy_loss(logp, old, adv, mask, cfg, denom, more)
-        (loss * world()).backward()  # PLUMBING: FSDP2 averages gradients over ranks; Eq. 12 wants the sum
+        (loss * world()).backward()  # FSDP2 averages the gradients over ranks; Eq. 12 sums them
         n = mask.sum().item()
         stats["entropy"] = (ent * mask).sum() / max(n, 1.0)
         add_stats(sums, stats, n, trained.sum().item(), loss.item())  # Part 3: sums by name
@@ -491,8 +526,8 @@ def pass_at_k(n, c, k):
 
 
 def evaluate(run, tag):
-    """k = eval_samples responses per held-out prompt (split across ranks), scored and printed. avg@k and
-    pass@k count successes; maj@k and the share answered read the answers, where the reward gives them."""
+    """k = eval_samples responses per held-out prompt (split across ranks), scored and printed.
+    avg@k and pass@k count successes; maj@k and the share answered read the answers, if any."""
     cfg, rows, k = run.cfg, run.eval_rows, run.cfg.eval_samples
     if not rows or not k:
         return {}
@@ -503,11 +538,13 @@ def evaluate(run, tag):
     out = {f"eval/avg@{k}": sum(avg) / len(idx),
            f"eval/pass@{k}": sum(pass_at_k(k, round(a * k), k) for a in avg) / len(idx)}
     if any("answer" in s for g in groups for s in g):  # the reward reads answers: majority vote
-        votes = [reward.majority_correct([s.get("answer") for s in g], [s["success"] for s in g], cfg.reward_timeout,
-                                         cfg.reward_workers, by_equivalence=cfg.reward == reward.MATH) for g in groups]
-        answered = [sum(s.get("answer") is not None for s in g) / k for g in groups]  # the format followed
-        out.update({f"eval/maj@{k}": sum(votes) / len(idx), "eval/answered": sum(answered) / len(idx)})
-    out.update(by_level([rows[i] for i in idx], avg, k))  # Part 3: by difficulty, where rows have one
+        votes = [reward.majority_correct([s.get("answer") for s in g], [s["success"] for s in g],
+                                         cfg.reward_timeout, cfg.reward_workers,
+                                         by_equivalence=cfg.reward == reward.MATH) for g in groups]
+        answered = [sum(s.get("answer") is not None for s in g) / k for g in groups]  # the format
+        out.update({f"eval/maj@{k}": sum(votes) / len(idx),
+                    "eval/answered": sum(answered) / len(idx)})
+    out.update(by_level([rows[i] for i in idx], avg, k))  # Part 3: by difficulty, where rows say
     print0(f"eval ({tag}): " + "  ".join(f"{name} {v:.3f}" for name, v in out.items()))
     return out
 
@@ -694,7 +731,7 @@ def tis_weights(old_logp, rollout_logp, mask, cap, mode="token_truncate", lower=
                "tis/clipped_seq_frac": hit.amax(-1).sum() / mask.amax(-1).sum().clamp(min=1)}
 
 
-def off_policy_mask(logp, rollout_logp, adv, mask, delta):
+def off_policy_keep(logp, rollout_logp, adv, mask, delta):
     """DeepSeek-V3.2 (arXiv 2512.02556, its Eq. 9), as TRL computes it: keep a sequence unless A < 0 and the
     mean of log π_rollout - log π_θ (detached) over its tokens exceeds δ: too far off-policy to learn."""
     n = mask.sum(-1, keepdim=True).clamp(min=1)
@@ -735,7 +772,7 @@ def loss_terms(mb, logp, old, adv, mask, cfg, threshold):
     if cfg.tis_cap:  # correct for vLLM's sampling policy
         factors.append(tis_weights(old, more["rollout_logp"], mask, cfg.tis_cap, cfg.tis_mode, cfg.tis_min))
     if cfg.off_policy_mask:  # drop the negative samples far off-policy
-        factors.append(off_policy_mask(logp, more["rollout_logp"], adv[:, None], mask, cfg.off_policy_mask))
+        factors.append(off_policy_keep(logp, more["rollout_logp"], adv[:, None], mask, cfg.off_policy_mask))
     for w, stats in factors:
         more["weight"] = more.get("weight", 1.0) * w
         more["stats"].update(stats)

@@ -1,0 +1,1 @@
+"""dapo.py's tests by topic; the paper's own are ../test_dapo.py."""

@@ -1,0 +1,348 @@
+"""The GPU tests (pytest -m gpu; skipped by name without CUDA). Each numeric check compares two computations of the
+same run. Where a test has a core that runs on a CPU, a CPU test runs that core twice: on the right input and on
+a broken one."""
+import os
+import sys
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
+import contextlib
+import json
+import re
+import pytest
+import torch
+from lib import demo_model, interrupt
+import dapo
+from tests.shared import HERE, _grads, _run
+
+
+# The TF32 head's bounds (docs/gpu.md repeats them): forward within fp32 accumulation-order noise, backward
+# within TF32's rounding of the logits' gradient (10 explicit mantissa bits: 2^-11 per element).
+TF32_FORWARD_NATS, TF32_BACKWARD_REL = 5e-4, 2e-3
+
+
+pytestmark = pytest.mark.timeout(1200, method="thread")  # the subprocess helpers time out first
+
+
+def test_gpu_check_runs_its_logic_on_cpu_and_names_what_it_skips(tiny_model):
+    """tools/gpu_check.py on the CPU: the run, the time split and the sync gaps pass; the GPU-only
+    checks are listed as skipped, by name."""
+    out = _run([sys.executable, "tools/gpu_check.py", "--model", tiny_model, "--steps", "2", "--max-prompt-len",
+                "16", "--max-response-len", "8", "--overlong-cache-len", "2"], timeout=600)
+    print(out.stdout[-2500:])
+    assert out.returncode == 0, out.stderr[-4000:]
+    table = out.stdout[out.stdout.index("gpu_check: "):]
+    for what in ("GPU memory, generate", "GPU memory, update", "GPU memory, sync", "sleep/wake cycle", "CUDA graphs"):
+        assert re.search(rf"{re.escape(what)} .* skipped: .* skipped", table), what
+    assert re.search(r"log-prob gap, step 0 \(the first sync\) +mean \S+, max \S+ +mean < 0.1 +PASS", table)
+    assert re.search(r"log-prob gap, after an update and sync \(no sleep on CPU\) .* PASS", table)
+    assert re.search(r"time split, generate / update / sync +\d+% / \d+% / \d+% .* PASS", table)
+    assert table.rstrip().endswith("gpu_check: PASS (skipped checks named above)")
+
+
+def test_packed_row_check_passes_and_fails_on_cpu():
+    """The core of the GPU flex test on CPU (sdpa, fp32: torch has no flex backward on CPU): one packed row
+    equals each sequence alone, forward and backward; with position_ids that run on across the row
+    (attention crosses sequences) the same check fails by orders of magnitude."""
+    model = _scaled_qwen2("sdpa", layers=2, hidden=128, vocab=64)
+    samples = _random_sequences([9, 5, 12, 3], 64)
+    alone = _alone(model, samples, "cpu")
+    good = _differences(_logprobs_and_grads(model, samples, "cpu"), alone)
+    bad = _differences(_logprobs_and_grads(model, samples, "cpu", cross=True), alone)
+    print(f"packed row vs alone: right layout {good}; attention across sequences {bad}")
+    assert max(good.values()) < 1e-4 and min(bad.values()) > 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_flex_attention_on_one_packed_row(cuda):
+    """flex attention (bf16, the built-in architecture at ~240M parameters) on one row of 6 sequences, 8,300
+    tokens. Forward and backward equal each sequence alone within bf16's own rounding: at most twice the
+    difference between the bf16 and the fp32 model on the sequences alone, plus 1e-3 (attention across
+    sequences costs tenths of a nat: test_packed_row_check_passes_and_fails_on_cpu). The attention's memory:
+    the packed row's peak exceeds that of one 8,300-token sequence (the same shapes, a plain causal mask) by
+    far less than the dense (L, L) bf16 mask sdpa would build (131 MiB); no (heads, L, L) scores exist."""
+    lengths = [3000, 2000, 1500, 1000, 500, 300]
+    L = sum(lengths)
+    model = _scaled_qwen2("flex_attention").to(cuda)
+    samples = _random_sequences(lengths, model.config.vocab_size)
+    reference = _alone(model, samples, cuda)                          # fp32
+    model.to(torch.bfloat16)
+    alone = _alone(model, samples, cuda)
+    err, noise = _differences(_logprobs_and_grads(model, samples, cuda), alone), _differences(alone, reference)
+    peaks = {}
+    for name, lens in (("packed", lengths), ("one sequence", [L])):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        _logprobs_and_grads(model, _random_sequences(lens, model.config.vocab_size), cuda)
+        peaks[name] = torch.cuda.max_memory_allocated() - base
+    dense = 2 * L * L
+    print(f"bf16, one packed row vs alone: {err}; bf16 vs fp32 alone: {noise}; peak {peaks['packed'] / 2**20:.0f} "
+          f"MiB packed, {peaks['one sequence'] / 2**20:.0f} MiB one sequence; a dense mask: {dense / 2**20:.0f} MiB")
+    for k in err:
+        assert err[k] <= 2 * noise[k] + 1e-3, k
+    assert peaks["packed"] - peaks["one sequence"] < dense / 4
+
+
+def test_head_check_passes_and_fails_on_cpu():
+    """The core of the GPU TF32 head test on CPU, where tf32_head changes nothing: the fp32 head passes the
+    bounds; a head computed in bf16 (HF's own lm_head under bf16) fails the forward bound by far."""
+    good = _head_errors(*_head_inputs(), "cpu")
+    bad = _head_errors(*_head_inputs(), "cpu", head=_bf16_head)
+    print(f"fp32 head: {good}; bf16 head: {bad}")
+    assert good["forward_vs_fp32"] < TF32_FORWARD_NATS and good["grad_hidden_vs_fp64"] < TF32_BACKWARD_REL
+    assert good["grad_weight_vs_fp64"] < TF32_BACKWARD_REL and bad["forward_vs_fp32"] > 10 * TF32_FORWARD_NATS
+
+
+@pytest.mark.gpu
+def test_gpu_tf32_head_against_fp32_and_fp64(cuda):
+    """tf32_head on CUDA, 4,096 tokens, hidden 1,024, vocabulary 32,768, bf16 inputs with logits of ~20-40:
+    the forward equals the fp32 head's within TF32_FORWARD_NATS (the operands are bf16 values, exact in TF32;
+    only the fp32 accumulation order differs), the backward's error against fp64 stays within
+    TF32_BACKWARD_REL (TF32 rounds the logits' gradient to 2^-11 relative)."""
+    errs = _head_errors(*_head_inputs(T=4096, h=1024, V=32768), cuda)
+    print(f"TF32 head on {torch.cuda.get_device_name(0)}: {errs}")
+    assert errs["forward_vs_fp32"] < TF32_FORWARD_NATS
+    assert errs["grad_hidden_vs_fp64"] < TF32_BACKWARD_REL and errs["grad_weight_vs_fp64"] < TF32_BACKWARD_REL
+
+
+@pytest.mark.gpu
+def test_gpu_flex_compile_count_stays_under_the_limit(cuda):
+    """The micro-batch shapes of a realistic step (responses of 1-4,000 tokens after 100-300-token prompts,
+    packed by --micro-batch-tokens 8,192, forward with and without grad): torch compiles fewer flex variants
+    than the limit load_policy sets (past it flex would run unfused); the count is printed."""
+    import random
+    rng = random.Random(0)
+    torch.distributed.init_process_group("cpu:gloo,cuda:nccl", store=torch.distributed.HashStore(), rank=0,
+                                         world_size=1)
+    try:
+        model = dapo.load_policy(dapo.Config(), _save_scaled(cuda), cuda)   # sets the limit, as a run does
+    except BaseException:
+        torch.distributed.destroy_process_group()
+        raise
+    samples = [{"prompt_ids": [5] * rng.randint(100, 300), "len": rng.randint(1, 4000)} for _ in range(64)]
+    shapes = [[len(s["prompt_ids"]) + s["len"] for s in mb] for mb in dapo.pack_by_tokens(samples, 8192)]
+    try:
+        n = _flex_compiles(model, shapes, cuda)
+    finally:
+        torch.distributed.destroy_process_group()
+    limit = torch._dynamo.config.recompile_limit
+    print(f"flex attention: {n} compiled graphs over {len(shapes)} micro-batch shapes (limit {limit})")
+    assert n < limit
+
+
+@pytest.mark.gpu(vllm=True)
+def test_gpu_vllm_sleep_wake_reload_and_update(cuda, tmp_path):
+    """vLLM on CUDA (V2 runner, bf16, fp32 head): after a sleep at level 2 and a wake-up around a weight reload
+    the mean log-prob gap to the trainer stays under --max-sync-diff's default (0.1 nats; healthy bf16 runs:
+    ~0.01-0.04); CUDA graphs are on; an update followed by a sync moves vLLM's log-probs as it moves the
+    trainer's (their moves differ by less than a tenth of the move itself)."""
+    out = _run([sys.executable, "tests/test_gpu.py", "vllm_cuda", _save_scaled(cuda), str(tmp_path / "out.json")], timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    r = json.load(open(tmp_path / "out.json"))
+    print(f"vLLM on CUDA: {r}")
+    assert r["gap_start"] < dapo.Config.max_sync_diff and r["gap_after_sleep"] < dapo.Config.max_sync_diff
+    assert r["cuda_graphs"] and r["trainer_moved"] > 1e-2 and r["moves_differ"] < r["trainer_moved"] / 10
+
+
+@pytest.mark.gpu(gpus=2)
+def test_gpu_two_ranks_nccl_gradient_equals_one(cuda, tmp_path):
+    """FSDP2 over NCCL on 2 GPUs (bf16 compute, fp32 reduction, packed one-row layout, flex): the gradient of
+    one mini-batch equals 1 GPU's within bf16's own noise: at most twice the difference 1 GPU shows between
+    micro-batches of 8 and of 2 sequences (both exact in real arithmetic), plus 1e-6."""
+    model = _save_scaled(cuda)
+    g1, _ = _grads(model, tmp_path, 8, alone=True)
+    g1b, _ = _grads(model, tmp_path, 2, alone=True)
+    g2, _ = _grads(model, tmp_path, 2, nproc=2, alone=True)
+    rel = lambda a, b: max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-30)).item() for k in b)  # noqa
+    noise, err = rel(g1b, g1), rel(g2, g1)
+    print(f"NCCL 2 GPUs vs 1: relative gradient difference {err:.2e}; micro-batching alone on 1 GPU {noise:.2e}")
+    assert err <= 2 * noise + 1e-6
+
+
+@pytest.mark.gpu(vllm=True)
+def test_gpu_check_passes_on_cuda(cuda, tiny_model):
+    """tools/gpu_check.py's CUDA branch: the peak memory per phase, the sync gaps (step 0 and after a
+    sleep/wake cycle) and CUDA graphs all PASS, and no check is skipped."""
+    out = _run([sys.executable, "tools/gpu_check.py", "--model", tiny_model, "--steps", "2", "--max-prompt-len", "16",
+                "--max-response-len", "8", "--overlong-cache-len", "2"], timeout=900)
+    print(out.stdout[-3000:])
+    table = out.stdout.split("gpu_check:")[1]
+    assert out.returncode == 0 and "gpu_check: PASS" in out.stdout
+    assert not re.search(r" skipped$", table, re.M) and "skipped:" not in table   # no check skipped on CUDA
+
+
+# -----------------------------------------------------------------------------------------
+# Helpers
+
+def _scaled_qwen2(attn, layers=16, hidden=1024, vocab=32000, seed=0):
+    """The built-in model's architecture (Qwen2, head_dim 64, tied head) scaled up: ~240M parameters at
+    the defaults. Random weights: nothing is downloaded."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                         num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                         num_key_value_heads=max(1, hidden // 256), head_dim=64, tie_word_embeddings=True,
+                         max_position_embeddings=32768, use_cache=False, attn_implementation=attn)
+    return Qwen2ForCausalLM(config)
+
+
+def _random_sequences(lengths, vocab, seed=1):
+    """Samples of random tokens: one prompt token, the rest response (every position trained on)."""
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+    return [{"prompt_ids": s[:1], "response_ids": s[1:]} for s in seqs]
+
+
+def _logprobs_and_grads(model, samples, device, cross=False):
+    """The samples in ONE packed row (the layout flex attention gets on a GPU; longest first, as collate
+    orders them): the log-probs (B, R), the gradient of their sum w.r.t. the input embeddings (L, h) and the
+    weights. cross=True breaks the layout on purpose: position_ids run on across the row, so attention
+    crosses sequences."""
+    seen = []
+    hook = model.model.embed_tokens.register_forward_hook(lambda m, i, out: seen.append(out) or out.retain_grad())
+    try:
+        model.zero_grad(set_to_none=True)
+        batch = dapo.collate(samples, 0, device, one_row=True)
+        if cross:
+            batch["position_ids"] = torch.arange(batch["input_ids"].shape[1], device=device)[None]
+        lp, _ = dapo.forward_logprobs(model, batch, 1.0, 4096)
+        lp[batch["mask"].bool()].sum().backward()
+        return lp.detach().float(), seen[0].grad[0].float(), {k: p.grad.float() for k, p in model.named_parameters()}
+    finally:
+        hook.remove()
+
+
+def _alone(model, samples, device):
+    """_logprobs_and_grads of each sample alone, assembled as one packed row would hold them."""
+    runs = [_logprobs_and_grads(model, [s], device) for s in samples]
+    order = sorted(range(len(samples)), key=lambda i: -len(samples[i]["response_ids"]))   # collate's row order
+    lp = torch.nn.utils.rnn.pad_sequence([r[0][0] for r in runs], batch_first=True)
+    return lp, torch.cat([runs[i][1] for i in order]), {k: sum(r[2][k] for r in runs) for k in runs[0][2]}
+
+
+def _differences(a, b):
+    """The largest |log-prob| difference, and the relative differences of the two gradients, of a against b."""
+    rel = lambda x, y: ((x - y).abs().max() / y.abs().max().clamp(min=1e-30)).item()   # noqa: E731
+    return {"logp": (a[0] - b[0]).abs().max().item(), "input_grad": rel(a[1], b[1]),
+            "weight_grad": max(rel(a[2][k], b[2][k]) for k in b[2])}
+
+
+def _head_errors(hidden, weight, targets, device, head=None):
+    """A head on bf16-valued hidden states and weights (fp32 tensors holding bf16 values, so that the
+    gradients are the head's own, not rounded to bf16): the trainer's (token_logprobs under tf32_head on
+    device, or `head`, e.g. one computed in bf16) against token_logprobs at full fp32 precision (forward:
+    the largest log-prob difference) and an fp64 reference (backward: the relative gradient errors)."""
+    tested = head or (lambda h, w, t: dapo.token_logprobs(h, w, t, 1.0, 1024)[0])
+    fp32 = lambda h, w, t: dapo.token_logprobs(h, w, t, 1.0, 1024)[0]   # noqa: E731
+    fp64 = lambda h, w, t: torch.log_softmax(h @ w.T, -1).gather(-1, t[..., None])[..., 0]   # noqa: E731
+    out, before = {}, torch.get_float32_matmul_precision()
+    bf16 = dapo.Config(precision="bf16")
+    for name, fn, ctx, dtype in (("tested", tested, dapo.tf32_head(torch.device(device), bf16), torch.float32),
+                                 ("fp32", fp32, contextlib.nullcontext(), torch.float32),
+                                 ("fp64", fp64, contextlib.nullcontext(), torch.float64)):
+        h = hidden.to(device, dtype).detach().requires_grad_()
+        w = weight.to(device, dtype).detach().requires_grad_()
+        torch.set_float32_matmul_precision("highest")   # tf32_head lowers it for "tested" alone
+        with ctx:
+            lp = fn(h, w, targets.to(device))
+            lp.sum().backward()
+        out[name] = (lp.detach().double(), h.grad.double(), w.grad.double())
+    torch.set_float32_matmul_precision(before)
+    rel = lambda a, b: ((a - b).abs().max() / b.abs().max()).item()   # noqa: E731
+    return {"forward_vs_fp32": (out["tested"][0] - out["fp32"][0]).abs().max().item(),
+            "grad_hidden_vs_fp64": rel(out["tested"][1], out["fp64"][1]),
+            "grad_weight_vs_fp64": rel(out["tested"][2], out["fp64"][2])}
+
+
+def _bf16_head(h, w, t):
+    """A head computed in bf16 (as HF's lm_head under bf16 mixed precision): logits 0.125 apart near 20."""
+    return torch.log_softmax((h.bfloat16() @ w.bfloat16().T).float(), -1).gather(-1, t[..., None])[..., 0]
+
+
+def _head_inputs(T=256, h=256, V=4096, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(1, T, h, generator=g).bfloat16()
+    weight = (torch.randn(V, h, generator=g) * 40 / h ** 0.5).bfloat16()   # logits of ~20-40
+    return hidden, weight, torch.randint(0, V, (1, T), generator=g)
+
+
+def _flex_compiles(model, shapes, device, backward=True):
+    """How many graphs torch compiles for flex attention over micro-batches of these shapes (each a list of
+    sequence lengths, in one packed row), forward and backward as a step runs them (backward=False: the
+    forward alone, which is all a CPU can run)."""
+    import functools
+    from torch._dynamo.utils import counters
+    forward = getattr(model, "forward_logprobs", None) or functools.partial(dapo.forward_logprobs, model)
+    before = counters["stats"]["unique_graphs"]   # FSDP2's model: its registered forward method gathers
+    for lens in shapes:
+        batch = dapo.collate([{"prompt_ids": [5], "response_ids": [7] * (n - 1)} for n in lens], 0, device,
+                             one_row=True)
+        with torch.no_grad():
+            forward(batch, 1.0, 1024)   # the old-log-prob pass
+        if backward:
+            forward(batch, 1.0, 1024)[0].sum().backward()
+    return counters["stats"]["unique_graphs"] - before
+
+
+def _save_scaled(device, layers=4):
+    """A smaller scaled model (hidden 512, 4 layers, the demo tokenizer widened to 128 tokens) saved to a
+    temporary directory, for load_policy and vLLM."""
+    import tempfile
+    path = os.path.join(tempfile.mkdtemp(prefix="gpu_model_"), "model")
+    _scaled_qwen2("flex_attention", layers=layers, hidden=512, vocab=128).save_pretrained(path)
+    demo_model.tiny_qwen2(demo_model.DEMO_TOKENS, vocab=128, fill=True)[1].save_pretrained(path)
+    return path
+
+
+def _vllm_cuda_worker(model_dir, out_path):
+    """On CUDA: the engine in sleep mode; a sleep (level 2) and wake-up around a weight reload; CUDA graphs;
+    an optimizer step and a sync, with vLLM's and the trainer's log-probs of the same tokens before and after."""
+    from vllm import SamplingParams
+    sys.path.insert(0, os.path.join(HERE, "tools"))
+    import gpu_check
+    device = dapo.init_distributed()
+    cfg = dapo.Config(max_prompt_len=64, max_response_len=64, gpu_memory_utilization=0.3)
+    llm = dapo.start_engine(cfg, model_dir, device, dummy_weights=True)
+    model = dapo.load_policy(cfg, model_dir, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)   # before any forward, as set_up: the sharded params
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, 128, (int(n),), generator=g).tolist() for n in torch.randint(16, 64, (8,), generator=g)]
+
+    def gaps():   # vLLM's prompt log-probs of the sequences, and the trainer's, token by token
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        outs = llm.generate([{"prompt_token_ids": s} for s in seqs], params, use_tqdm=False)
+        v = torch.cat([torch.tensor([next(iter(d.values())).logprob for d in o.prompt_logprobs[1:]]) for o in outs])
+        batch = dapo.collate([{"prompt_ids": s[:1], "response_ids": s[1:]} for s in seqs], 0, device, one_row=True)
+        with torch.no_grad(), dapo.tf32_head(device, dapo.Config(precision="bf16")):
+            lp, _ = model.forward_logprobs(batch, 1.0, 1024)
+        return v, lp[batch["mask"].bool()].float().cpu()
+
+    dapo.sync_weights(model, llm)
+    v0, t0 = gaps()
+    llm.sleep(level=2)
+    llm.wake_up(tags=["weights"])
+    dapo.sync_weights(model, llm)
+    llm.wake_up()
+    v1, t1 = gaps()
+    batch = dapo.collate([{"prompt_ids": s[:1], "response_ids": s[1:]} for s in seqs], 0, device, one_row=True)
+    model.forward_logprobs(batch, 1.0, 1024)[0].sum().backward()
+    opt.step()
+    dapo.sync_weights(model, llm)
+    v2, t2 = gaps()
+    out = {"gap_start": (v0 - t0).abs().mean().item(), "gap_after_sleep": (v1 - t1).abs().mean().item(),
+           "cuda_graphs": gpu_check.cuda_graphs(llm), "trainer_moved": (t2 - t1).abs().mean().item(),
+           "moves_differ": ((v2 - v1) - (t2 - t1)).abs().mean().item()}
+    with open(out_path, "w") as f:
+        json.dump(out, f)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":  # the helper processes the tests above start
+    if sys.argv[1] == "vllm_cuda":
+        _vllm_cuda_worker(sys.argv[2], sys.argv[3])
+    # results written: skip the interpreter's teardown, where a rank that has destroyed its process group
+    # can abort while the other still tears down
+    interrupt.kill_children()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -1,0 +1,274 @@
+"""The tools beside dapo.py: the memory planner (tools/plan.py, run_32b.sh --plan), the ladder's report
+(tools/ladder.py), the demo model's warm-start and tasks (lib/demo_model.py)."""
+import os
+import sys
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
+import dataclasses
+import json
+import re
+import pytest
+from lib import demo_model
+import dapo
+from tests.shared import HERE, _run
+import plan  # tools/plan.py, the memory planner
+
+
+_PLAN_SCRIPT = r"""
+import sys, torch, dapo
+sys.path.insert(0, "tools")
+import plan as planner
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers import Qwen2Config, Qwen2ForCausalLM
+B, S = 16, 128            # 2048 tokens as 16 sequences of 128
+shape = (256, 4, 4, 2, 1024, 16384, True, 64)
+h, L, nh, kv, i, V, tied, hd = shape
+for ckpt in (False, True):   # each its own model and tracker
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(hidden_size=h, num_hidden_layers=L, num_attention_heads=nh,
+                                         num_key_value_heads=kv, head_dim=hd, intermediate_size=i, vocab_size=V,
+                                         tie_word_embeddings=tied, max_position_embeddings=S,
+                                         attn_implementation="sdpa", use_cache=False))
+    if ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids = torch.randint(0, V, (B, S))
+    tracker = MemTracker()   # counts live tensor bytes: no allocator, page or kernel-workspace effects
+    tracker.track_external(model, ids)
+    with tracker, sdpa_kernel(SDPBackend.MATH):   # the same attention ops on every CPU
+        base = tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"]
+        hidden = model.model(input_ids=ids).last_hidden_state
+        lp, _ = dapo.token_logprobs(hidden[:, :-1], model.lm_head.weight, ids[:, 1:], chunk=1024)
+        lp.sum().backward()
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] - base
+    plan = planner.activation_bytes(shape, B * S, 4, ckpt, 1024, seq=S, flash=False)
+    print(int(ckpt), peak / 2**20, plan / 2**20)
+    del model, hidden, lp   # before the next model
+"""
+
+
+pytestmark = pytest.mark.timeout(1200, method="thread")  # the subprocess helpers time out first
+
+
+def test_memory_plan_matches_measured_peak():
+    """The plan's activation + logits estimate against the measured peak tensor memory of one
+    forward + backward (fp32 on CPU, 16 sequences x 128 tokens, 4 layers, vocab 16k), with and
+    without checkpointing: within 25%. Tensor bytes (torch's MemTracker), not process RSS, and
+    sdpa's math kernel pinned: RSS moved 2x between CPUs with the kernel and allocator picked.
+    The negative control: the same plan scaled by 1.5x or 0.7x fails."""
+    within = lambda planned, measured: 0.75 < planned / measured < 1.25   # noqa: E731
+    cases = _plans_vs_measured()
+    assert set(cases) == {0, 1}
+    for ckpt, (measured, planned) in cases.items():
+        print(f"checkpointing={ckpt}: measured peak {measured:.0f} MiB, planned {planned:.0f} MiB "
+              f"({planned / measured:.2f}x); scaled by 1.5 or 0.7: {1.5 * planned / measured:.2f}x, "
+              f"{0.7 * planned / measured:.2f}x")
+        assert within(planned, measured)
+        assert not within(1.5 * planned, measured) and not within(0.7 * planned, measured)   # each case's control
+
+
+def test_memory_plan_counts_what_lora_saves(capsys):
+    """--lora-rank: the planner keeps the fp32 base and adds the adapters, r (in + out) per linear layer of the
+    decoder, and counts gradients and AdamW state for the adapters alone, and no --kl-coef reference; the weight
+    sync pushes the merged weights, as many bytes as without LoRA. Qwen2.5-7B on one 80 GB GPU (vLLM's share 0.5): with LoRA 64 it fits,
+    without it not (the full AdamW state alone is 61 GB)."""
+    shape = plan.model_shape("Qwen2.5-7B")
+    h, L, nh, kv, i, V, tied, hd = shape
+    assert plan.lora_params(shape, 8) == L * 8 * ((h + h) + 2 * (h + kv * hd) + 2 * h + 2 * (h + i) + (i + h))
+    full = plan.parse_config(["--model", "Qwen2.5-7B", "--max-response-len", "4096", "--overlong-cache-len", "1024",
+                              "--micro-batch-size", "1", "--grad-checkpointing", "--plan-gpus-per-node", "1",
+                              "--gpu-memory-utilization", "0.5"])
+    lora = dataclasses.replace(full, lora_rank=64)
+    (rows_full, v_full), (rows_lora, v_lora) = (plan.memory_plan(c, shape, 1, 1, 80.0) for c in (full, lora))
+    f, lo = dict(rows_full), dict(rows_lora)
+    A, P = v_lora["adapters"], v_full["params"]
+    assert lo["sharded AdamW state (m, v)"] == 8 * A and f["sharded AdamW state (m, v)"] == 8 * P
+    assert lo["sharded fp32 gradients"] == 4 * A and lo["sharded fp32 parameters (base + adapters)"] == 4 * (P + A)
+    sync = [k for k in lo if k.startswith("weight sync")]
+    assert lo[sync[0]] == f[[k for k in f if k.startswith("weight sync")][0]] == 2 * P
+    # --kl-coef under LoRA: the reference is the policy with its adapters off, no second model to hold
+    refs = [[k for k, _ in plan.memory_plan(dataclasses.replace(c, kl_coef=0.001), shape, 1, 1, 80.0)[0]
+             if "reference" in k] for c in (full, lora)]
+    assert len(refs[0]) == 1 and refs[1] == []
+    print(f"Qwen2.5-7B on one 80 GB GPU: full {v_full['fits']} (training peak {f['peak while training'] / 1e9:.1f} GB), "
+          f"LoRA 64 ({A / 1e6:.0f}M adapters) {v_lora['fits']} ({lo['peak while training'] / 1e9:.1f} GB)")
+    assert v_lora["gpu_fits"] and not v_full["gpu_fits"]
+
+
+def test_memory_plan_counts_the_kl_reference():
+    """--kl-coef adds the frozen reference to what each GPU holds: sharded like the policy, in bf16 (2 bytes per
+    parameter over the ranks); with --cpu-offload it is in host RAM instead. Without it, no such row."""
+    args = ["--model", "Qwen/Qwen2.5-32B", "--max-response-len", "20480", "--tp-size", "4"]
+    shape = plan.model_shape("Qwen/Qwen2.5-32B")
+    rows, v = plan.memory_plan(plan.parse_config(args + ["--kl-coef", "0.001"]), shape, 16, 8, 80)
+    ref = dict(rows)["sharded reference (bf16, --kl-coef)"]
+    assert ref == pytest.approx(2 * v["params"] / 128)
+    plain, _ = plan.memory_plan(plan.parse_config(args), shape, 16, 8, 80)
+    assert not any("reference" in k for k, _ in plain)
+    assert dict(rows)["peak while training"] == pytest.approx(dict(plain)["peak while training"] + ref)
+    off = plan.parse_config(args + ["--kl-coef", "0.001", "--cpu-offload"])
+    host = dict(plan.memory_plan(off, shape, 1, 8, 80)[1]["host"])
+    assert "offloaded state (fp32 params, grads, AdamW, reference)" in host
+
+
+def test_memory_plan_32b_recipe_fits_16_nodes():
+    cfg = plan.parse_config(["--model", "Qwen/Qwen2.5-32B", "--max-response-len", "20480", "--tp-size", "4",
+                             "--gpu-memory-utilization", "0.7", "--grad-checkpointing", "--micro-batch-tokens", "22528"])
+    shape = plan.model_shape("Qwen/Qwen2.5-32B")
+    rows, v = plan.memory_plan(cfg, shape, 16, 8, 80)
+    assert 32.5e9 < v["params"] < 33e9 and v["fits"] and v["kv_seqs"] >= 1
+    assert not plan.memory_plan(cfg, shape, 1, 8, 80)[1]["fits"]           # one node is too small
+
+
+def test_memory_plan_host_ram_32b():
+    """Host RAM per node at 32B (P = 32.76B): --cpu-offload on 1 node keeps 16 B/param there
+    (524 GB); saving adds 8 HF files of 5 GB and 8 gathered embeddings (1.56 GB each); without
+    offload on 16 nodes the peak is saving: 8 files of 5 GB (DCP staging, 12 B/param/128 ranks x 8
+    = 24.6 GB, is less). A node too small for it fails the plan even when the GPUs fit."""
+    cfg, shape = _plan("--cpu-offload")
+    rows, v = plan.memory_plan(cfg, shape, 1, 8, 80)
+    host = dict(v["host"])
+    P, emb = v["params"], 152064 * 5120
+    assert host["offloaded state (fp32 params, grads, AdamW)"] == pytest.approx(16 * P)
+    assert host["peak while loading (a 5.0 GB weight file)"] == pytest.approx(32e9 + 4 * P + 5e9)  # scattered on GPU
+    assert v["host_peak"] == pytest.approx(32e9 + 16 * P + 8 * 5e9 + 8 * emb * 2)
+    assert 600e9 < v["host_peak"] < 620e9 and v["fits"] and v["gpu_fits"]
+    cfg.plan_host_ram_gb = 512
+    v = plan.memory_plan(cfg, shape, 1, 8, 80)[1]
+    assert v["gpu_fits"] and not v["host_fits"] and not v["fits"]
+    assert plan.memory_plan(cfg, shape, 2, 8, 80)[1]["fits"]           # 2 nodes halve the offloaded state
+    cfg, shape = _plan()
+    v = plan.memory_plan(cfg, shape, 16, 8, 80)[1]
+    assert v["host_peak"] == pytest.approx(32e9 + max(12 * v["params"] / 16, 8 * 5e9))
+    with pytest.raises(dapo.DapoError, match=r"^--plan needs positive sizes \(got --plan-nodes 0, --plan-host-ram-gb 0.0\)$"):
+        plan.print_plan(_plan("--plan-nodes", "0", "--plan-host-ram-gb", "0")[0])
+
+
+def test_plan_reads_the_weight_file_size_of_a_local_model(tmp_path, capsys):
+    """A local model's largest safetensors file is what rank 0 holds while loading (a sparse
+    7 GB file here); a hub name is assumed to have files of 5 GB."""
+    from transformers import Qwen2Config
+    Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=2).save_pretrained(tmp_path)
+    with open(tmp_path / "model-00001-of-00002.safetensors", "wb") as f:
+        f.truncate(7_000_000_000)
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"x")
+    plan.print_plan(plan.parse_config(["--model", str(tmp_path), "--plan-nodes", "1"]))
+    out = capsys.readouterr().out
+    print(out)
+    assert re.search(r"peak while loading \(a 7\.0 GB weight file\) +39\.00 GB", out), out
+
+
+def test_run_32b_plan():
+    """`bash run_32b.sh --plan` needs no GPU, model or data: the recipe fits 16 nodes, GPUs and host
+    RAM, and its smallest cluster is 3 nodes."""
+    out = _run(["bash", "run_32b.sh", "--plan"], timeout=300)
+    print(out.stdout)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "on 16 node(s) x 8 GPUs of 80 GB" in out.stdout and "host RAM per node (8 ranks" in out.stdout
+    assert re.search(r"^fits: yes \(GPU: yes; host RAM: peak \d+ GB of --plan-host-ram-gb 1000\)$", out.stdout, re.M)
+    assert "smallest cluster that fits this config: 3 node(s) x 8 GPUs" in out.stdout
+
+
+def test_demo_model_tool_runs_on_its_own(tmp_path):
+    """lib/demo_model.py alone builds the demo's tiny model (a zero target: no warm-start steps)."""
+    out = _run([sys.executable, "lib/demo_model.py", str(tmp_path / "m"), "--sft-target", "0"], timeout=120)
+    assert out.returncode == 0 and "supervised warm-start (not DAPO) for 0 steps" in out.stdout, out
+    assert json.load(open(tmp_path / "m" / "config.json"))["num_hidden_layers"] == 2
+
+
+def test_warm_start_is_cached_by_everything_that_determines_it(tmp_path, monkeypatch):
+    """The second build of the same demo model is a copy of the first (the same bytes); another target
+    or seed is another entry."""
+    monkeypatch.setenv("DAPO_CACHE", str(tmp_path / "cache"))
+    info, cache, hit = demo_model.cached_build(str(tmp_path / "a"), "add", 0, 1e-6)
+    assert not hit and info["sft_steps"] > 0
+    info2, cache2, hit2 = demo_model.cached_build(str(tmp_path / "b"), "add", 0, 1e-6)
+    assert hit2 and cache2 == cache and info2 == info
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+    assert demo_model.cached_build(str(tmp_path / "c"), "add", 0, 0.0)[1] != cache
+    assert dapo.parse_config(["--task", "carry"]).demo_sft_target == demo_model.WARM_START["carry"]["target"]
+    assert dapo.parse_config([]).demo_sft_target == demo_model.WARM_START["add"]["target"]
+
+
+def test_carry_task_solutions_levels_and_split(tmp_path):
+    """The ladder's task: every reference solution is graded correct, lengths grow with the level
+    (10-12 tokens at one column, 38-52 at five), the held-out split has every level and shares no problem with training."""
+    import reward
+    train, held = demo_model.demo_task(0, "carry")
+    assert demo_model.carry_solution(347, 589) == "7+9=16\n4+8+1=13\n3+5+1=9\nAnswer: 936"
+    assert demo_model.carry_solution(20, 8426) == "0+6=6\n2+2=4\n0+4=4\n0+8=8\nAnswer: 8446"
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held}
+    count = {n: sum(r["level"] == n for r in held) for n in range(1, 6)}
+    assert count == {1: 20, 2: 250, 3: 250, 4: 250, 5: 250}
+    assert sum(r["level"] == 1 for r in train) == 80      # all 100 one-column problems exist once
+    assert demo_model.demo_task(1, "carry") == (train, held)  # a fixed dataset: the seed varies the model and sampling
+    for r in train[:2000] + held:
+        a, b = map(int, r["prompt"].split(demo_model.DAPO_HEAD)[1].split("=")[0].split("+"))
+        assert r["answer"] == str(a + b) and r["level"] == max(len(str(a)), len(str(b)))
+        assert reward.is_correct(r["solution"], r["answer"])
+    path = str(tmp_path)
+    demo_model.tiny_qwen2(demo_model.DEMO_TOKENS)[1].save_pretrained(path)  # the demo's tokenizer
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(path)
+    lengths = {n: [len(tok(r["solution"])["input_ids"]) + 1 for r in held if r["level"] == n] for n in range(1, 6)}
+    print({n: (min(v), max(v)) for n, v in lengths.items()})
+    assert min(lengths[1]) >= 9 and max(lengths[5]) <= dapo.CARRY["max_response_len"] - dapo.CARRY["overlong_cache_len"]
+    assert all(min(lengths[n]) < min(lengths[n + 1]) and max(lengths[n]) < max(lengths[n + 1]) for n in range(1, 5))
+    assert max(map(len, dapo.encode_prompts(tok, [r["prompt"] for r in held]))) <= dapo.CARRY["max_prompt_len"]
+
+
+def test_ladder_report_compares_per_step_and_per_response(tmp_path, capsys):
+    """The report on two synthetic rungs: the later rung reaches the first rung's final accuracy
+    in fewer steps but, generating 3x per step, not in fewer responses; it reports the responses generated
+    per trained group (32 per step) and the median step time."""
+    import argparse
+    sys.path.insert(0, os.path.join(HERE, "tools"))
+    import ladder
+    before = {"eval/avg@4": 0.2, **{f"eval/avg@4/d{n}": 0.2 for n in range(1, 6)}}
+    for rung, (per_step, gain, secs) in {0: (256, 0.01, 2.0), 5: (768, 0.03, 5.0)}.items():
+        for seed in (0, 1):
+            d = tmp_path / f"rung{rung}" / f"seed{seed}"
+            d.mkdir(parents=True)
+            with open(d / "metrics.jsonl", "w") as f:
+                for step in range(1, 21):
+                    m = {"step": step, "gen/responses": per_step, "entropy/generated": 0.1,
+                         "len/truncated_frac": 0.0, "filter/kept_frac": 0.5, "batch/effective_groups": 8,
+                         "clip/high_frac": 0.0, "clip/low_frac": 0.0, "time/step": secs + (step % 3 == 0) * 9}
+                    if step % 5 == 0:
+                        m.update({k: round(0.2 + gain * step, 3) for k in before})
+                    f.write(json.dumps(m) + "\n")
+            after = {k: round(0.2 + gain * 20, 3) for k in before}
+            stdout = "".join(f"eval ({t}): " + "  ".join(f"{k} {v:.3f}" for k, v in e.items()) + "\n"
+                             for t, e in (("before", before), ("after", after)))
+            (d / "evals.json").write_text(json.dumps({t: ladder.parse_eval(stdout, t) for t in ("before", "after")}))
+    args = argparse.Namespace(root=str(tmp_path), seeds=[0, 1], eval_every=5, tail=5, variants=False,
+                                                       png=str(tmp_path / "ladder.png"))
+    ladder.report(args)
+    rows = [[c.strip() for c in x.strip("| ").split(" | ")] for x in capsys.readouterr().out.splitlines()
+            if x.startswith("| ")]
+    grpo, full = ({h.split(" (")[0]: v for h, v in zip(rows[0], row)} for row in rows[1:3])   # by column name
+    assert grpo["held-out avg@4"] == "0.400 ± 0.000" and full["held-out avg@4"] == "0.800 ± 0.000"   # after step 20
+    assert grpo["steps to naive GRPO's final"] == "20 (2/2)" and full["steps to naive GRPO's final"] == "10 (2/2)"
+    assert float(grpo["responses to it"]) == 20 * 256 and float(full["responses to it"]) == 10 * 768
+    assert grpo["at its responses"] == "0.400" and full["at its responses"] == "0.350"   # DAPO's step 5: 0.35
+    assert grpo["responses per trained group"] == "8.00" and full["responses per trained group"] == "24.00"
+    assert grpo["s/step"] == "2.00" and full["s/step"] == "5.00"   # the median: a slow step in 3 does not move it
+
+
+# -----------------------------------------------------------------------------------------
+# Helpers
+
+def _plans_vs_measured():
+    """{checkpointing (0, 1): (measured, planned) MiB}, from one process."""
+    out = _run([sys.executable, "-c", _PLAN_SCRIPT], timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split() for line in out.stdout.strip().splitlines()]
+    return {int(c): (float(m), float(p)) for c, m, p in rows}
+
+
+def _plan(*args):
+    cfg = plan.parse_config(["--model", "Qwen/Qwen2.5-32B", "--max-response-len", "20480", "--tp-size", "4",
+                             "--gpu-memory-utilization", "0.7", "--grad-checkpointing", "--micro-batch-tokens",
+                             "22528", *args])
+    return cfg, plan.model_shape(cfg.model)
