@@ -406,7 +406,9 @@ def sample_groups(run, rows, prompt_ids, idx, n, temperature, top_p, key):
     stats = {"time/rollout": t1 - t0, "time/reward": time.perf_counter() - t1,
              "reward/timeouts": rstats["timeouts"], "reward/errors": rstats["errors"],
              "gen/tokens": sum(s["len"] for s in local),  # and gen/nll: every token's entropy
-             "gen/nll": -sum(sum(s["vllm_logp"]) for s in local)}
+             "gen/nll": -sum(sum(s["vllm_logp"]) for s in local),  # and distinct responses (Sec. 3.1)
+             "gen/distinct": sum(len({tuple(s["response_ids"]) for s in local[i:i + n]})
+                                 for i in range(0, len(local), n))}
     return share_groups(run, local, idx, prompt_ids, n, stats)
 
 
@@ -991,7 +993,7 @@ def share_groups(run, local, idx, prompt_ids, n, times):
         where = {"pos": j, "row": idx[j], "prompt_ids": prompt_ids[idx[j]], "src": src}
         groups.append([{**where, **s} for s in part])
     times = {k: max(t[k] for _, t, _ in gathered) for k in times}
-    for k in ("reward/timeouts", "reward/errors", "gen/nll", "gen/tokens"):
+    for k in ("reward/timeouts", "reward/errors", "gen/nll", "gen/tokens", "gen/distinct"):
         times[k] = sum(t[k] for _, t, _ in gathered[::tp])
     times["sync/tp_mismatch"] = sum(d != gathered[r - r % tp][2] for r, (_, _, d) in enumerate(gathered))
     run.meta_bytes = getattr(run, "meta_bytes", 0) + nbytes
@@ -1979,6 +1981,7 @@ def log_step(run, step, m, generated, samples, evals):
               "len/truncated_frac": sum(s["truncated"] for s in every) / len(every),
               "gen/responses": len(every),
               "entropy/generated": m.pop("gen/nll") / max(1, m.pop("gen/tokens")),
+              "gen/distinct_frac": m.pop("gen/distinct") / len(every),
               "time/update": sync - update, "time/sync": end - sync, "time/step": end - start,
               "tokens/s": (sum(lens) + sum(len(s["prompt_ids"]) for s in every)) / (end - start),
               "mem/peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, **evals})

@@ -22,7 +22,7 @@ A reward is a finite number of magnitude at most MAX_REWARD (1e9); a number name
 and scores the lowest reward of its group, at most -1 (Eq. 7's wrong answer): a failure never outscores an
 answer. math_reward, this file's checker through the contract, is the default.
 
-Conventions (what a careful grader does; every one has a test in test_dapo.py)
+Conventions (what a careful grader does; every one has a test in tests/test_reward.py)
 - Markers. A line holding `Answer:` (any case; also `Final Answer:`, `**Answer:**`) gives
   the rest of that line, or, when that is blank, the next line with content (lines of only
   `$$`, `\\[`, `\\]` skipped). Minerva's `The final answer is $42$. I hope it is correct.`

@@ -382,7 +382,7 @@ def _out_of_range(flag, value, help):
 
 def _ignored(cfg, losses):
     """The settings cfg.loss has no use for, given at other than their defaults: the shared flags its
-    LOSSES entry ignores, and another loss's own settings (the Config fields named after it, or its "own")."""
+    OBJECTIVES entry ignores, and another loss's own settings (the Config fields named after it, or its "own")."""
     default, ignores = type(cfg)(), losses.get(cfg.loss, {}).get("ignores", ())
     out = []
     for f in dataclasses.fields(cfg):
@@ -400,7 +400,7 @@ def check_config(cfg, losses, choices):
     """dapo.py's Config: refuse, in one line naming each flag, its value and the range it must lie in,
     settings that cannot run or would silently train wrongly: every numeric field finite and in the range
     its comment gives (field_range), every choice flag one of its table's names (choices: {field: names},
-    dapo.py's CHOICES), no setting the chosen --loss ignores (losses: dapo.py's LOSSES), and the rules
+    dapo.py's CHOICES), no setting the chosen --loss ignores (losses: dapo.py's OBJECTIVES), and the rules
     below."""
     helps = field_helps(type(cfg))
     problems = [_out_of_range("--" + f.name.replace("_", "-"), getattr(cfg, f.name), helps.get(f.name, ""))

@@ -506,10 +506,10 @@ def _traffic_worker(out_path):
         sampler = dapo.Sampler(len(rows), seed=0)
         for step in range(2):
             held, before = [], 0
+            run = types.SimpleNamespace(llm=_FakeLLM(), tokenizer=_FakeTokenizer(), cfg=cfg, meta_bytes=0)
 
             def sample_fn(idx, b):
                 nonlocal before
-                run = types.SimpleNamespace(llm=_FakeLLM(), tokenizer=_FakeTokenizer(), cfg=cfg)
                 groups, t = dapo.sample_groups(run, rows, prompt_ids, idx, cfg.group_size, 1.0, 1.0, (0, step, b))
                 mine = [dict(s) for g in groups for s in g if "vllm_logp" in s]
                 held.extend(mine)
@@ -543,7 +543,7 @@ def _traffic_worker(out_path):
             view = [(s["row"], s["success"], s["len"], s["truncated"], s["reward"], s["adv"], s["trainer"]) for s in samples]
             views = dapo.all_gather_objects(view)[0]
             assert all(v == views[0] for v in views) and m["sync/tp_mismatch"] == 0
-            report[f"tp{tp} step{step}"] = dict(before=before, meta=m["comm/meta_bytes"], tokens=tokens, share=share,
+            report[f"tp{tp} step{step}"] = dict(before=before, meta=run.meta_bytes, tokens=tokens, share=share,
                                                generated=len(every), trained=len(trained))
     outs = dapo.all_gather_objects(report)[0]
     if dapo.rank() == 0:

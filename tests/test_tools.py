@@ -242,8 +242,8 @@ def test_ladder_report_compares_per_step_and_per_response(tmp_path, capsys):
             stdout = "".join(f"eval ({t}): " + "  ".join(f"{k} {v:.3f}" for k, v in e.items()) + "\n"
                              for t, e in (("before", before), ("after", after)))
             (d / "evals.json").write_text(json.dumps({t: ladder.parse_eval(stdout, t) for t in ("before", "after")}))
-    args = argparse.Namespace(root=str(tmp_path), seeds=[0, 1], eval_every=5, tail=5, variants=False,
-                                                       png=str(tmp_path / "ladder.png"))
+    args = argparse.Namespace(root=str(tmp_path), seeds=[0, 1], eval_every=5, tail=5, variants=False, real=False,
+                              png=str(tmp_path / "ladder.png"))
     ladder.report(args)
     rows = [[c.strip() for c in x.strip("| ").split(" | ")] for x in capsys.readouterr().out.splitlines()
             if x.startswith("| ")]
@@ -254,6 +254,39 @@ def test_ladder_report_compares_per_step_and_per_response(tmp_path, capsys):
     assert grpo["at its responses"] == "0.400" and full["at its responses"] == "0.350"   # DAPO's step 5: 0.35
     assert grpo["responses per trained group"] == "8.00" and full["responses per trained group"] == "24.00"
     assert grpo["s/step"] == "2.00" and full["s/step"] == "5.00"   # the median: a slow step in 3 does not move it
+
+
+def test_real_ladder_report_adds_diversity_and_pass_at_k_by_the_tasks_levels(tmp_path, capsys):
+    """tools/ladder.py --real's report on saved metrics of its three rungs (naive GRPO, + Clip-Higher, DAPO):
+    the held-out split by the real task's levels (2-3 and 4 columns, from the eval file), and its own columns:
+    the share of distinct responses in a group, and pass@4 after the last step."""
+    import argparse
+    sys.path.insert(0, os.path.join(HERE, "tools"))
+    import ladder
+    (tmp_path / "data").mkdir()
+    with open(tmp_path / "data" / "eval.jsonl", "w") as f:
+        f.writelines(json.dumps({"prompt": "p", "answer": "1", "level": n}) + "\n" for n in (2, 2, 3, 4))
+    keys = ["eval/avg@4", "eval/pass@4"] + [f"eval/avg@4/d{n}" for n in (2, 3, 4)]
+    for rung, (name, distinct, final) in enumerate((("grpo", 0.5, 0.3), ("clip_higher", 0.7, 0.4), ("dapo", 0.8, 0.6))):
+        for seed in (0, 1):
+            d = tmp_path / name / f"seed{seed}"
+            d.mkdir(parents=True)
+            rows = [{"step": s, "gen/responses": 64, "entropy/generated": 0.3, "entropy": 0.2, "len/truncated_frac": 0.0,
+                     "filter/kept_frac": 0.5, "batch/effective_groups": 8, "clip/high_frac": 0.001, "clip/low_frac": 0.0,
+                     "time/step": 30.0, "gen/distinct_frac": distinct} for s in range(1, 7)]
+            rows[-1].update({k: final for k in keys})
+            (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            (d / "evals.json").write_text(json.dumps({"before": {k: 0.1 for k in keys}, "after": {k: final for k in keys}}))
+    args = argparse.Namespace(root=str(tmp_path), seeds=[0, 1], eval_every=3, tail=3, variants=False, real=True,
+                              png=str(tmp_path / "real.png"))
+    ladder.report(args)
+    rows = [[c.strip() for c in x.strip("| ").split(" | ")] for x in capsys.readouterr().out.splitlines()
+            if x.startswith("| ")]
+    assert rows[0][3:5] == ["short d2-d3", "long d4"] and rows[0][-2:] == ["distinct responses", "pass@4"]
+    got = {row[0]: dict(zip(rows[0], row)) for row in rows[1:]}
+    assert list(got) == ["naive GRPO", "GRPO + Clip-Higher", "full DAPO"]
+    assert [got[n]["distinct responses"] for n in got] == ["0.50", "0.70", "0.80"]
+    assert [got[n]["pass@4"] for n in got] == ["0.300 ± 0.000", "0.400 ± 0.000", "0.600 ± 0.000"]
 
 
 # -----------------------------------------------------------------------------------------

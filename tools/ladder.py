@@ -13,11 +13,17 @@ the carry task's fixed one), so the spread over seeds is the noise of RL alone.
     python tools/ladder.py --report           # only rebuild the table and docs/ladder.png from runs/ladder
     python tools/ladder.py --print-commands   # the command lines, to run them elsewhere
     python tools/ladder.py --variants         # the objectives and knobs after DAPO; naive GRPO the reference
+    python tools/ladder.py --real             # on a real model: SmolLM2-135M-Instruct (~1.5 hours on 2 CPU cores)
 
 --variants runs the objectives proposed after DAPO on DAPO's pipeline (every technique on, only
 --loss or one knob differs), from the same warm-start, and reports them as the ladder does (docs/variants.png);
 naive GRPO and DAPO are the ladder's first and last rungs, and use the same run folders: a --variants run
 under the ladder's --root reuses those runs (docs/variants.md's naive GRPO row comes from runs of its own).
+
+--real runs naive GRPO, GRPO + Clip-Higher alone (Figure 2's comparison: ε_high 0.28 against 0.2) and full
+DAPO on tools/real_model.py's SmolLM2-135M-Instruct, on examples/fewshot_carry.py's column sums, with the
+settings of REAL (fixed, the same for every rung); its report adds the entropy and the responses'
+diversity by step (docs/real-model-ladder.png).
 
 The report compares rungs per rollout step AND per generated response (dynamic sampling
 generates more per step). matplotlib is optional: with it, --report also draws docs/ladder.png.
@@ -54,6 +60,15 @@ VARIANTS = [RUNGS[0], ("DAPO", 50, [], "rung5"), ("GSPO", "-", ["--loss", "gspo"
             ("GMPO", "-", ["--loss", "gmpo"], "gmpo"),
             ("DAPO + carried surplus", "-", ["--carry-surplus"], "carry"),
             ("DAPO + carried surplus + skip solved (K 1)", "-", ["--carry-surplus", "--skip-solved", "1"], "carry_skip")]
+# --real: Table 1's ends and Figure 2's pair on a real model (the rest of the ladder did not fit the budget).
+REAL_RUNGS = [("naive GRPO", 30, GRPO, "grpo"), ("GRPO + Clip-Higher", "-", GRPO[2:], "clip_higher"),
+              ("full DAPO", 50, [], "dapo")]
+# --real's settings, fixed before any run, the same for every rung; the laptop preset (dapo.LAPTOP) gives
+# the rest. Responses of up to 64 tokens (a correct 4-column one takes ~45), prompts of ~250; μ = 4 updates
+# per rollout step (the paper's 16 would cost 4x the optimizer steps), so that the clip has ratios to bind.
+REAL = dict(max_prompt_len=384, max_response_len=64, overlong_cache_len=16, num_mini_batches=4,
+            steps=15, eval_every=3, eval_samples=4, eval_max_prompts=96)
+REAL_MINUTES = 10  # one --real run on 2 CPU cores (an AMD EPYC, bf16): what the cost line before the runs says
 # Each variant's own statistic (the last-steps mean, in the report): what its flag does
 OWN = ["kl/ref", "entropy/selected_frac", "tis/clipped_frac", "tis/clipped_seq_frac", "mismatch/kl_k1",
        "filter/carried", "filter/set_aside"]
@@ -62,11 +77,15 @@ KEY = "eval/avg@4"
 
 
 def base_model(args):
+    if args.real:  # tools/real_model.py builds it once, into its cache, and prints its path
+        out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "real_model.py")], check=True,
+                             capture_output=True, text=True)
+        return out.stdout.split()[-1]
     return os.path.join(args.root, "base")
 
 
 def entries(args):
-    return VARIANTS if args.variants else RUNGS
+    return REAL_RUNGS if args.real else VARIANTS if args.variants else RUNGS
 
 
 def run_dir(args, i, seed):
@@ -74,21 +93,26 @@ def run_dir(args, i, seed):
 
 
 def settings(args):
-    """The carry task's demo settings as flags (they apply only without --model)."""
+    """The carry task's demo settings as flags (they apply only without --model), or --real's."""
     skip = {"out_dir", "demo_sft_target"}
-    carry = {**dapo.CARRY, "steps": args.steps, "eval_every": args.eval_every}
+    carry = REAL if args.real else {**dapo.CARRY, "steps": args.steps, "eval_every": args.eval_every}
     return [x for k, v in carry.items() if k not in skip for x in (f"--{k.replace('_', '-')}", str(v))]
 
 
+def data_dir(args):
+    return os.path.join(args.root, "data")
+
+
 def commands(args):
-    common = settings(args)
+    common, model = settings(args), base_model(args)
+    data = ["--train-data", os.path.join(data_dir(args), "train.jsonl"), "--eval-data",
+            os.path.join(data_dir(args), "eval.jsonl")] if args.real else ["--task", "carry"]
     for i, (name, _, flags, _) in enumerate(entries(args)):
         if i not in args.rungs:
             continue
         for seed in args.seeds:
-            yield seed, [sys.executable, os.path.join(ROOT, "dapo.py"), "--task", "carry", "--model",
-                         base_model(args), "--seed", str(seed), *common, "--out-dir", run_dir(args, i, seed),
-                         *flags, *args.extra]
+            yield seed, [sys.executable, os.path.join(ROOT, "dapo.py"), *data, "--model", model, "--seed",
+                         str(seed), *common, "--out-dir", run_dir(args, i, seed), *flags, *args.extra]
 
 
 def parse_eval(stdout, tag):
@@ -105,6 +129,7 @@ def load(path):
 
 def split(evals, levels, counts):
     """avg@4 over the held-out problems of these levels, weighted by their number."""
+    levels = [k for k in levels if k in counts]
     n = sum(counts[k] for k in levels)
     return sum(evals[f"{KEY}/d{k}"] * counts[k] for k in levels) / n
 
@@ -114,19 +139,22 @@ def mean_sd(xs):
 
 
 def curve(run):
-    """[(rollout step, generated responses so far, eval metrics)], the "before" eval at step 0."""
+    """[(rollout step, generated responses so far, eval metrics)], the "before" eval at step 0 and the
+    "after" eval at the last step (in its metrics row, or apart in an older run's)."""
     out, done = [(0, 0, run["before"])], 0
     for r in run["metrics"]:
         done += r["gen/responses"]
         if KEY in r:
             out.append((r["step"], done, r))
-    out.append((run["metrics"][-1]["step"], done, run["after"]))
+    if KEY not in run["metrics"][-1]:
+        out.append((run["metrics"][-1]["step"], done, run["after"]))
     return out
 
 
-def waste(run):
+def waste(run, args):
     """Responses generated per trained group over the whole run: G = 8 when nothing is filtered away."""
-    return sum(m["gen/responses"] for m in run["metrics"]) / (len(run["metrics"]) * dapo.CARRY["prompts_per_step"])
+    n = dapo.LAPTOP["prompts_per_step"] if args.real else dapo.CARRY["prompts_per_step"]
+    return sum(m["gen/responses"] for m in run["metrics"]) / (len(run["metrics"]) * n)
 
 
 def first_reach(c, target):
@@ -135,7 +163,9 @@ def first_reach(c, target):
 
 def report(args):
     counts = {}
-    for r in demo_model.demo_task(0, "carry")[1]:
+    held = [json.loads(x) for x in open(os.path.join(data_dir(args), "eval.jsonl"))] if args.real else \
+        demo_model.demo_task(0, "carry")[1]
+    for r in held:
         counts[r["level"]] = counts.get(r["level"], 0) + 1
     runs = {}  # rung index -> [run]
     for i in range(len(entries(args))):
@@ -153,11 +183,14 @@ def report(args):
     grpo_final = statistics.mean(r["after"][KEY] for r in runs[base])
     grpo_responses = statistics.mean(sum(m["gen/responses"] for m in r["metrics"]) for r in runs[base])
     last = lambda r, k: statistics.mean(m[k] for m in r["metrics"][-args.tail:])  # late-training mean
-    table = [f"| rung | paper AIME24 | held-out avg@4 (mean ± sd) | short d1-d3 | long d4-d5 | "
+    name_of = lambda ls: f"d{min(ls)}" + (f"-d{max(ls)}" if max(ls) > min(ls) else "")  # noqa: E731
+    short, long = ([k for k in ls if k in counts] for ls in (SHORT, LONG))
+    table = [f"| rung | paper AIME24 | held-out avg@4 (mean ± sd) | short {name_of(short)} | long {name_of(long)} | "
              f"steps to {entries(args)[base][0]}'s final ({grpo_final:.3f}) | responses to it | at its responses | "
              f"entropy | truncated | kept | effective groups | responses/step | responses per trained group | s/step | "
-             f"clip lo / hi |" + (" its own statistic |" if args.variants else ""),
-             "|" + "---|" * (17 if args.variants else 16)]
+             f"clip lo / hi |" + (" its own statistic |" if args.variants else "") +
+             (" distinct responses | pass@4 |" if args.real else ""),
+             "|" + "---|" * (16 + args.variants + 2 * args.real)]
     for i, rs in sorted(runs.items()):
         name, paper = entries(args)[i][:2]
         reach = [first_reach(curve(r), grpo_final) for r in rs]
@@ -176,19 +209,21 @@ def report(args):
             f"| {statistics.mean(last(r, 'filter/kept_frac') for r in rs):.2f} "
             f"| {statistics.mean(last(r, 'batch/effective_groups') for r in rs):.1f} "
             f"| {statistics.mean(last(r, 'gen/responses') for r in rs):.0f} "
-            f"| {statistics.mean(waste(r) for r in rs):.2f} "
+            f"| {statistics.mean(waste(r, args) for r in rs):.2f} "
             f"| {statistics.mean(statistics.median(m['time/step'] for m in r['metrics']) for r in rs):.2f} "
             f"| {100 * statistics.mean(last(r, 'clip/low_frac') for r in rs):.3f}% / "
             f"{100 * statistics.mean(last(r, 'clip/high_frac') for r in rs):.3f}% |"
             + (" " + ", ".join(f"{k} {statistics.mean(last(r, k) for r in rs):.3g}" for k in OWN
                                if all(k in m for r in rs for m in r["metrics"][-args.tail:])) + " |"
-               if args.variants else ""))
+               if args.variants else "")
+            + (f" {statistics.mean(last(r, 'gen/distinct_frac') for r in rs):.2f} "
+               f"| {mean_sd([r['after']['eval/pass@4'] for r in rs])} |" if args.real else ""))
     seeds = sorted({len(rs) for rs in runs.values()})
     print(f"{' or '.join(map(str, seeds))} seeds (a row with one says so); held-out avg@4 after the last step; per-step metrics are means over the "
           f"last {args.tail} rollout steps and the seeds; steps and responses to reach are medians over the seeds "
           f"that reached it (eval every {args.eval_every} steps).\n")
     print("\n".join(table))
-    plot(args, runs, counts)
+    (plot_real if args.real else plot)(args, runs, counts)
 
 
 def plot(args, runs, counts):
@@ -225,11 +260,51 @@ def plot(args, runs, counts):
     print(f"wrote {args.png}")
 
 
+def plot_real(args, runs, counts):
+    """Figure 2 in miniature: per rung, the mean over seeds (each seed a thin line) of the held-out accuracy
+    by step and by generated response, pass@4 against avg@4, the entropy of the trained tokens and of every
+    sampled token, and the share of distinct responses in a group."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(pip install matplotlib for the plot)")
+        return
+    fig, axes = plt.subplots(2, 3, figsize=(16, 8))
+    colours = ["tab:red", "tab:orange", "tab:blue"]
+    for i, rs in sorted(runs.items()):
+        name, colour = entries(args)[i][0], colours[i % 3]
+        for j, r in enumerate(rs):
+            c, steps = curve(r), [m["step"] for m in r["metrics"]]
+            kw = dict(color=colour, alpha=0.9 if j == 0 else 0.35, label=name if j == 0 else None)
+            axes[0, 0].plot([p[0] for p in c], [p[2][KEY] for p in c], marker="o", **kw)
+            axes[0, 1].plot([p[1] for p in c], [p[2][KEY] for p in c], marker="o", **kw)
+            axes[0, 2].plot([p[0] for p in c], [p[2]["eval/pass@4"] for p in c], marker="s", linestyle="--", **kw)
+            for ax, k in zip(axes[1], ("entropy", "entropy/generated", "gen/distinct_frac")):
+                ax.plot(steps, [m[k] for m in r["metrics"]], **kw)
+    titles = [("held-out avg@4", "rollout step"), ("held-out avg@4", "generated responses"),
+              ("held-out pass@4", "rollout step"), ("entropy of the trained tokens (`entropy`)", "rollout step"),
+              ("mean -log p of every sampled token (`entropy/generated`)", "rollout step"),
+              ("distinct responses in a group (`gen/distinct_frac`)", "rollout step")]
+    for ax, (title, x) in zip(axes.flat, titles):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel(x)
+        ax.grid(alpha=0.3)
+    axes[0, 0].legend(fontsize=8)
+    fig.suptitle(f"SmolLM2-135M-Instruct on column sums, {len(next(iter(runs.values())))} seeds a rung (thin: "
+                 f"other seeds)")
+    fig.tight_layout()
+    fig.savefig(args.png, dpi=70)
+    print(f"wrote {args.png}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--rungs", type=int, nargs="+", help="a subset, by index (default: all)")
     p.add_argument("--variants", action="store_true", help="the --loss variants instead of the rungs")
+    p.add_argument("--real", action="store_true", help="naive GRPO, + Clip-Higher, DAPO on a real model (REAL)")
     p.add_argument("--steps", type=int, default=75)
     p.add_argument("--eval-every", type=int, default=15)
     p.add_argument("--tail", type=int, default=25, help="rollout steps averaged for the per-step metrics")
@@ -239,14 +314,25 @@ def main():
     p.add_argument("--print-commands", action="store_true")
     p.add_argument("extra", nargs="*", help="more dapo.py flags for every rung (after --)")
     args = p.parse_args()
+    if args.real and args.root == p.get_default("root"):
+        args.root = os.path.join(ROOT, "runs", "real-ladder")
     args.rungs = range(len(entries(args))) if args.rungs is None else args.rungs
-    args.png = args.png or os.path.join(ROOT, "docs", "variants.png" if args.variants else "ladder.png")
+    args.png = args.png or os.path.join(ROOT, "docs", "real-model-ladder.png" if args.real else
+                                        "variants.png" if args.variants else "ladder.png")
     if args.print_commands:
         for _, c in commands(args):
             print(" ".join(["python"] + c[1:]))
         return
     if not args.report:
-        if not os.path.exists(os.path.join(base_model(args), "config.json")):
+        if args.real:
+            subprocess.run([sys.executable, os.path.join(ROOT, "examples", "fewshot_carry.py"), data_dir(args)],
+                           check=True)
+            todo = [c for _, c in commands(args) if not os.path.exists(os.path.join(c[c.index("--out-dir") + 1],
+                                                                                     "evals.json"))]
+            print(f"{len(todo)} runs to go ({len(args.rungs)} rungs x {len(args.seeds)} seeds, finished ones "
+                  f"skipped), ~{REAL_MINUTES} minutes each on 2 CPU cores: ~{len(todo) * REAL_MINUTES} minutes",
+                  flush=True)
+        elif not os.path.exists(os.path.join(base_model(args), "config.json")):
             rows, sft_target = demo_model.demo_task(0, "carry")[0], dapo.CARRY["demo_sft_target"]
             info = demo_model.build(base_model(args), rows, demo_model.DEMO_TOKENS, 0, sft_target, "carry")
             print(f"warm-start (not DAPO): {info}", flush=True)
