@@ -406,7 +406,7 @@ def sample_groups(run, rows, prompt_ids, idx, n, temperature, top_p, key):
     stats = {"time/rollout": t1 - t0, "time/reward": time.perf_counter() - t1,
              "reward/timeouts": rstats["timeouts"], "reward/errors": rstats["errors"],
              "gen/tokens": sum(s["len"] for s in local),  # and gen/nll: every token's entropy
-             "gen/nll": -sum(sum(s["vllm_logp"]) for s in local),  # and distinct responses (Sec. 3.1)
+             "gen/nll": -sum(sum(s["vllm_logp"]) for s in local),  # distinct responses: Sec. 3.1
              "gen/distinct": sum(len({tuple(s["response_ids"]) for s in local[i:i + n]})
                                  for i in range(0, len(local), n))}
     return share_groups(run, local, idx, prompt_ids, n, stats)

@@ -21,7 +21,7 @@ naive GRPO and DAPO are the ladder's first and last rungs, and use the same run 
 under the ladder's --root reuses those runs (docs/variants.md's naive GRPO row comes from runs of its own).
 
 --real runs naive GRPO, GRPO + Clip-Higher alone (Figure 2's comparison: ε_high 0.28 against 0.2) and full
-DAPO on tools/real_model.py's SmolLM2-135M-Instruct, on examples/fewshot_carry.py's column sums, with the
+DAPO on tools/real_model.py's SmolLM2-135M-Instruct, on examples/fewshot_chain.py's running sums, with the
 settings of REAL (fixed, the same for every rung); its report adds the entropy and the responses'
 diversity by step (docs/real-model-ladder.png).
 
@@ -64,9 +64,9 @@ VARIANTS = [RUNGS[0], ("DAPO", 50, [], "rung5"), ("GSPO", "-", ["--loss", "gspo"
 REAL_RUNGS = [("naive GRPO", 30, GRPO, "grpo"), ("GRPO + Clip-Higher", "-", GRPO[2:], "clip_higher"),
               ("full DAPO", 50, [], "dapo")]
 # --real's settings, fixed before any run, the same for every rung; the laptop preset (dapo.LAPTOP) gives
-# the rest. Responses of up to 64 tokens (a correct 4-column one takes ~45), prompts of ~250; μ = 4 updates
+# the rest. Responses of up to 64 tokens (a correct 5-number one takes ~35), prompts of ~150; μ = 4 updates
 # per rollout step (the paper's 16 would cost 4x the optimizer steps), so that the clip has ratios to bind.
-REAL = dict(max_prompt_len=384, max_response_len=64, overlong_cache_len=16, num_mini_batches=4,
+REAL = dict(max_response_len=64, overlong_cache_len=16, num_mini_batches=4,
             steps=15, eval_every=3, eval_samples=4, eval_max_prompts=96)
 REAL_MINUTES = 10  # one --real run on 2 CPU cores (an AMD EPYC, bf16): what the cost line before the runs says
 # Each variant's own statistic (the last-steps mean, in the report): what its flag does
@@ -292,7 +292,7 @@ def plot_real(args, runs, counts):
         ax.set_xlabel(x)
         ax.grid(alpha=0.3)
     axes[0, 0].legend(fontsize=8)
-    fig.suptitle(f"SmolLM2-135M-Instruct on column sums, {len(next(iter(runs.values())))} seeds a rung (thin: "
+    fig.suptitle(f"SmolLM2-135M-Instruct on running sums, {len(next(iter(runs.values())))} seeds a rung (thin: "
                  f"other seeds)")
     fig.tight_layout()
     fig.savefig(args.png, dpi=70)
@@ -325,7 +325,7 @@ def main():
         return
     if not args.report:
         if args.real:
-            subprocess.run([sys.executable, os.path.join(ROOT, "examples", "fewshot_carry.py"), data_dir(args)],
+            subprocess.run([sys.executable, os.path.join(ROOT, "examples", "fewshot_chain.py"), data_dir(args)],
                            check=True)
             todo = [c for _, c in commands(args) if not os.path.exists(os.path.join(c[c.index("--out-dir") + 1],
                                                                                      "evals.json"))]
