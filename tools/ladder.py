@@ -262,9 +262,9 @@ def plot(args, runs, counts):
 
 
 def plot_real(args, runs, counts):
-    """Figure 2 in miniature: per rung, the mean over seeds (each seed a thin line) of the held-out accuracy
-    by step and by generated response, pass@4 against avg@4, the entropy of the trained tokens and of every
-    sampled token, and the share of distinct responses in a group."""
+    """Figure 2 in miniature: per rung, the mean over seeds (a thick line; each seed a thin one) of the
+    held-out accuracy by step and by generated response, pass@4, the entropy of the trained tokens and of
+    every sampled token, and the share of distinct responses in a group."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -276,14 +276,20 @@ def plot_real(args, runs, counts):
     colours = ["tab:red", "tab:orange", "tab:blue"]
     for i, rs in sorted(runs.items()):
         name, colour = entries(args)[i][0], colours[i % 3]
-        for j, r in enumerate(rs):
-            c, steps = curve(r), [m["step"] for m in r["metrics"]]
-            kw = dict(color=colour, alpha=0.9 if j == 0 else 0.35, label=name if j == 0 else None)
-            axes[0, 0].plot([p[0] for p in c], [p[2][KEY] for p in c], marker="o", **kw)
-            axes[0, 1].plot([p[1] for p in c], [p[2][KEY] for p in c], marker="o", **kw)
-            axes[0, 2].plot([p[0] for p in c], [p[2]["eval/pass@4"] for p in c], marker="s", linestyle="--", **kw)
-            for ax, k in zip(axes[1], ("entropy", "entropy/generated", "gen/distinct_frac")):
-                ax.plot(steps, [m[k] for m in r["metrics"]], **kw)
+        curves = [curve(r) for r in rs]
+        steps = min(len(r["metrics"]) for r in rs)
+        mean = lambda f, cs: [statistics.mean(f(c[j]) for c in cs) for j in range(min(map(len, cs)))]  # noqa: E731
+        for lw, alpha, group, label in [(2.5, 0.95, curves, name)] + [(0.8, 0.35, [c], None) for c in curves]:
+            kw = dict(color=colour, linewidth=lw, alpha=alpha, label=label)
+            axes[0, 0].plot(mean(lambda p: p[0], group), mean(lambda p: p[2][KEY], group), marker="o", **kw)
+            axes[0, 1].plot(mean(lambda p: p[1], group), mean(lambda p: p[2][KEY], group), marker="o", **kw)
+            axes[0, 2].plot(mean(lambda p: p[0], group), mean(lambda p: p[2]["eval/pass@4"], group), marker="s", **kw)
+        for ax, k in zip(axes[1], ("entropy", "entropy/generated", "gen/distinct_frac")):
+            ax.plot(range(1, steps + 1), [statistics.mean(r["metrics"][j][k] for r in rs) for j in range(steps)],
+                    color=colour, linewidth=2.5, label=name)
+            for r in rs:
+                ax.plot([m["step"] for m in r["metrics"]], [m[k] for m in r["metrics"]], color=colour,
+                        linewidth=0.8, alpha=0.35)
     titles = [("held-out avg@4", "rollout step"), ("held-out avg@4", "generated responses"),
               ("held-out pass@4", "rollout step"), ("entropy of the trained tokens (`entropy`)", "rollout step"),
               ("mean -log p of every sampled token (`entropy/generated`)", "rollout step"),
@@ -293,8 +299,8 @@ def plot_real(args, runs, counts):
         ax.set_xlabel(x)
         ax.grid(alpha=0.3)
     axes[0, 0].legend(fontsize=8)
-    fig.suptitle(f"SmolLM2-135M-Instruct on running sums, {len(next(iter(runs.values())))} seeds a rung (thin: "
-                 f"other seeds)")
+    fig.suptitle(f"SmolLM2-135M-Instruct on running sums, {len(next(iter(runs.values())))} seeds a rung (thick: "
+                 f"their mean; thin: each seed)")
     fig.tight_layout()
     fig.savefig(args.png, dpi=70)
     print(f"wrote {args.png}")
@@ -315,8 +321,9 @@ def main():
     p.add_argument("--print-commands", action="store_true")
     p.add_argument("extra", nargs="*", help="more dapo.py flags for every rung (after --)")
     args = p.parse_args()
-    if args.real and args.root == p.get_default("root"):
-        args.root = os.path.join(ROOT, "runs", "real-ladder")
+    if args.real:  # its own folder, and its report's late-training means over the second half of its steps
+        args.root = os.path.join(ROOT, "runs", "real-ladder") if args.root == p.get_default("root") else args.root
+        args.eval_every, args.tail = REAL["eval_every"], min(args.tail, REAL["steps"] // 2)
     args.rungs = range(len(entries(args))) if args.rungs is None else args.rungs
     args.png = args.png or os.path.join(ROOT, "docs", "real-model-ladder.png" if args.real else
                                         "variants.png" if args.variants else "ladder.png")
