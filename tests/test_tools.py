@@ -259,7 +259,8 @@ def test_ladder_report_compares_per_step_and_per_response(tmp_path, capsys):
 def test_real_ladder_report_adds_diversity_and_pass_at_k_by_the_tasks_levels(tmp_path, capsys):
     """tools/ladder.py --real's report on saved metrics of its three rungs (naive GRPO, + Clip-Higher, DAPO):
     the held-out split by the real task's levels (2-3 and 4 columns, from the eval file), and its own columns:
-    the share of distinct responses in a group, and pass@4 after the last step."""
+    the share of distinct responses in a group, pass@4 after the last step, and the training accuracy over the
+    second half of naive GRPO's responses (DAPO, generating twice as many a step, spends them by step 3)."""
     import argparse
     sys.path.insert(0, os.path.join(HERE, "tools"))
     import ladder
@@ -273,7 +274,10 @@ def test_real_ladder_report_adds_diversity_and_pass_at_k_by_the_tasks_levels(tmp
             d.mkdir(parents=True)
             rows = [{"step": s, "gen/responses": 64, "entropy/generated": 0.3, "entropy": 0.2, "len/truncated_frac": 0.0,
                      "filter/kept_frac": 0.5, "batch/effective_groups": 8, "clip/high_frac": 0.001, "clip/low_frac": 0.0,
-                     "time/step": 30.0, "gen/distinct_frac": distinct} for s in range(1, 7)]
+                     "time/step": 30.0, "gen/distinct_frac": distinct, "acc/mean": s / 10} for s in range(1, 7)]
+            if name == "dapo":
+                for r in rows:
+                    r["gen/responses"] = 128
             rows[-1].update({k: final for k in keys})
             (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
             (d / "evals.json").write_text(json.dumps({"before": {k: 0.1 for k in keys}, "after": {k: final for k in keys}}))
@@ -282,11 +286,14 @@ def test_real_ladder_report_adds_diversity_and_pass_at_k_by_the_tasks_levels(tmp
     ladder.report(args)
     rows = [[c.strip() for c in x.strip("| ").split(" | ")] for x in capsys.readouterr().out.splitlines()
             if x.startswith("| ")]
-    assert rows[0][3:5] == ["short d2-d3", "long d4"] and rows[0][-2:] == ["distinct responses", "pass@4"]
+    assert rows[0][3:5] == ["short d2-d3", "long d4"]
+    assert rows[0][-3:] == ["distinct responses", "pass@4", "train acc at its responses"]
     got = {row[0]: dict(zip(rows[0], row)) for row in rows[1:]}
     assert list(got) == ["naive GRPO", "GRPO + Clip-Higher", "full DAPO"]
     assert [got[n]["distinct responses"] for n in got] == ["0.50", "0.70", "0.80"]
     assert [got[n]["pass@4"] for n in got] == ["0.300 ± 0.000", "0.400 ± 0.000", "0.600 ± 0.000"]
+    # GRPO's 384 responses: its steps 4-6 (256, 320, 384) against DAPO's steps 2-3 (256, 384)
+    assert [got[n]["train acc at its responses"] for n in got] == ["0.500 ± 0.000", "0.500 ± 0.000", "0.250 ± 0.000"]
 
 
 # -----------------------------------------------------------------------------------------

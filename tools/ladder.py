@@ -13,7 +13,7 @@ the carry task's fixed one), so the spread over seeds is the noise of RL alone.
     python tools/ladder.py --report           # only rebuild the table and docs/ladder.png from runs/ladder
     python tools/ladder.py --print-commands   # the command lines, to run them elsewhere
     python tools/ladder.py --variants         # the objectives and knobs after DAPO; naive GRPO the reference
-    python tools/ladder.py --real             # on a real model: SmolLM2-135M-Instruct (~1.5 hours on 2 CPU cores)
+    python tools/ladder.py --real             # on a real model: SmolLM2-135M-Instruct (~80 minutes on 2 CPU cores)
 
 --variants runs the objectives proposed after DAPO on DAPO's pipeline (every technique on, only
 --loss or one knob differs), from the same warm-start, and reports them as the ladder does (docs/variants.png);
@@ -69,7 +69,7 @@ REAL_RUNGS = [("naive GRPO", 30, GRPO, "grpo"), ("GRPO + Clip-Higher", "-", GRPO
 # 10 steps (the entropy falls from ~0.5 to ~0.15 in 3), the held-out set at steps 0, 5 and 10.
 REAL = dict(max_response_len=64, overlong_cache_len=16, num_mini_batches=4,
             steps=10, eval_every=5, eval_samples=4, eval_max_prompts=96)
-REAL_MINUTES = 10  # one --real run on 2 CPU cores (an AMD EPYC, bf16): what the cost line before the runs says
+REAL_MINUTES = 9  # one --real run on 2 CPU cores (an Intel Xeon, bf16: 8.1-10.0 minutes): the cost line says it
 # Each variant's own statistic (the last-steps mean, in the report): what its flag does
 OWN = ["kl/ref", "entropy/selected_frac", "tis/clipped_frac", "tis/clipped_seq_frac", "mismatch/kl_k1",
        "filter/carried", "filter/set_aside"]
@@ -158,6 +158,18 @@ def waste(run, args):
     return sum(m["gen/responses"] for m in run["metrics"]) / (len(run["metrics"]) * n)
 
 
+def train_acc_at(run, lo, hi):
+    """acc/mean (each step's prompts freshly drawn: the policy's accuracy on new problems) over the steps
+    whose cumulative responses lie in (lo, hi], weighted by their responses: a comparison at an equal
+    number of generated responses, where evaluations every few steps are too far apart."""
+    done, acc, n = 0, 0.0, 0
+    for m in run["metrics"]:
+        done += m["gen/responses"]
+        if lo < done <= hi:
+            acc, n = acc + m["acc/mean"] * m["gen/responses"], n + m["gen/responses"]
+    return acc / n if n else None
+
+
 def first_reach(c, target):
     return next(((s, g) for s, g, e in c if e[KEY] >= target), (None, None))
 
@@ -190,8 +202,8 @@ def report(args):
              f"steps to {entries(args)[base][0]}'s final ({grpo_final:.3f}) | responses to it | at its responses | "
              f"entropy | truncated | kept | effective groups | responses/step | responses per trained group | s/step | "
              f"clip lo / hi |" + (" its own statistic |" if args.variants else "") +
-             (" distinct responses | pass@4 |" if args.real else ""),
-             "|" + "---|" * (16 + args.variants + 2 * args.real)]
+             (" distinct responses | pass@4 | train acc at its responses |" if args.real else ""),
+             "|" + "---|" * (16 + args.variants + 3 * args.real)]
     for i, rs in sorted(runs.items()):
         name, paper = entries(args)[i][:2]
         reach = [first_reach(curve(r), grpo_final) for r in rs]
@@ -199,6 +211,9 @@ def report(args):
         gens = [g for _, g in reach if g is not None]
         # held-out accuracy at the last eval that had generated no more responses than GRPO's whole run
         same_budget = [[e[KEY] for s, g, e in curve(r) if g <= grpo_responses][-1] for r in rs]
+        # the training accuracy over the second half of GRPO's responses (--real's evaluations are 5 steps apart)
+        at_budget = [a for a in (train_acc_at(r, grpo_responses / 2, grpo_responses) for r in rs) if a is not None] \
+            if args.real else []
         table.append(
             f"| {name} | {paper} | {mean_sd([r['after'][KEY] for r in rs])} "
             f"| {mean_sd([split(r['after'], SHORT, counts) for r in rs])} "
@@ -218,7 +233,9 @@ def report(args):
                                if all(k in m for r in rs for m in r["metrics"][-args.tail:])) + " |"
                if args.variants else "")
             + (f" {statistics.mean(last(r, 'gen/distinct_frac') for r in rs):.2f} "
-               f"| {mean_sd([r['after']['eval/pass@4'] for r in rs])} |" if args.real else ""))
+               f"| {mean_sd([r['after']['eval/pass@4'] for r in rs])} "
+               f"| {mean_sd(at_budget) if at_budget else '-'} |"
+               if args.real else ""))
     seeds = sorted({len(rs) for rs in runs.values()})
     print(f"{' or '.join(map(str, seeds))} seeds (a row with one says so); held-out avg@4 after the last step; per-step metrics are means over the "
           f"last {args.tail} rollout steps and the seeds; steps and responses to reach are medians over the seeds "
