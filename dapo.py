@@ -209,12 +209,12 @@ class Config:
 
 # -----------------------------------------------------------------------------------------
 # The sample: one dict per response, filled in as the step runs. Key: who sets it, what it holds.
-#   row, pos, prompt_ids   sample_groups: the prompt's data row, its place in the batch, its ids
-#   src                    sample_groups: the rank that generated it (and holds its tokens)
+#   row, pos, prompt_ids   share_groups (Part 3): the prompt's data row, its place in the batch, ids
+#   src                    share_groups: the rank that generated it (and holds its tokens)
 #   response_ids           vLLM: the response's token ids, EOS included (absent on a stub: trainer)
 #   vllm_logp              vLLM: log π_rollout of each response token (absent on a stub)
 #   len, truncated         vLLM: |o_i|; whether generation was cut at --max-response-len
-#   text                   generate: the decoded response (dropped once scored)
+#   text                   generate (Part 3): the decoded response (to_trainers drops it)
 #   score, success         --reward (Eq. 7: ±1 and the verdict; a reward of one's own: any number,
 #                          and whether it counts as a success, for acc/mean, avg@k and pass@k)
 #   answer, metrics        --reward, where it gives them: the answer read (maj@k); score/<name>
@@ -224,7 +224,7 @@ class Config:
 #   trained                overlong_filtering (Sec. 3.4): False masks the sample's loss
 #   trainer                to_trainers (Part 3): the rank that trains it; on every other rank the
 #                          sample is a stub (no tokens), which the update reads only for its length
-#   old_logp               old_logprobs (Part 3): log π_θold of each response token
+#   old_logp               old_logprobs, or old_logp_of in the first mini-batch (Part 3): log π_θold
 #   ref_logp, old_entropy  old_logprobs (Part 3): log π_ref (--kl-coef); π_θold's entropy
 #                          (--top-entropy-quantile)
 #   carried                --carry-surplus (Part 2): a group of the step before
@@ -265,7 +265,8 @@ def policy_loss(logp, old_logp, advantages, mask, cfg, denom=None, more=None):
     ratio = torch.exp(log_ratio)  # Eq. 9's r_{i,t} = π_θ(o_{i,t} | q, o_{i,<t}) / π_θold(...)
     rollout = (more or {}).get("rollout_logp", old_logp)
     t = Tokens(logp, old_logp, log_ratio, ratio, advantages.unsqueeze(-1), mask, rollout)
-    per_token, low, high, *own = OBJECTIVES[cfg.loss]["token_loss"](t, cfg)  # dapo_token_loss
+    # OBJECTIVES, Part 2's table: DAPO's entry is dapo_token_loss (Eq. 10), with Eq. 12's normaliser
+    per_token, low, high, *own = OBJECTIVES[cfg.loss]["token_loss"](t, cfg)
     stats = own[0] if own else {}
     per_token = adjust_token_losses(per_token, t, cfg, more or {}, stats)  # Part 2: none by default
     denom = denom or Normaliser(per_sample=False, n=mask.sum())
@@ -282,8 +283,9 @@ def policy_loss(logp, old_logp, advantages, mask, cfg, denom=None, more=None):
 
 
 def group_advantages(rewards, group_size, eps=1e-6):
-    """Eq. 9: Â_{i,t} = (R_i - mean(R_group)) / (std(R_group) + eps), the unbiased std, for every
-    token t of o_i. rewards: (B,), groups as contiguous blocks of G -> (B,)."""
+    """Eq. 9: Â_{i,t} = (R_i - mean(R_group)) / std(R_group), the unbiased std (+ eps against a
+    zero std, not in the paper), for every token t of o_i. rewards: (B,), groups as contiguous
+    blocks of G -> (B,)."""
     r = rewards.view(-1, group_size).float()
     return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True, unbiased=True) + eps)).view(-1)
 
@@ -391,7 +393,7 @@ def sample_groups(run, rows, prompt_ids, idx, n, temperature, top_p, key):
     cfg = run.cfg
     mine = my_prompts(len(idx), cfg.tp_size)  # Part 3: a TP group's ranks share prompts and seeds
     t0 = time.perf_counter()
-    local = generate(run, [prompt_ids[idx[j]] for j in mine], n, temperature, top_p, key)  # vLLM
+    local = generate(run, [prompt_ids[idx[j]] for j in mine], n, temperature, top_p, key)  # Part 3
     t1 = time.perf_counter()
     # Eq. 7 (R = ±1: is_equivalent(answer, truth)), or --reward's fn(response, row)
     try:
@@ -405,11 +407,11 @@ def sample_groups(run, rows, prompt_ids, idx, n, temperature, top_p, key):
         s.update((k, r[k]) for k in ("answer", "metrics", "failed") if k in r)
     stats = {"time/rollout": t1 - t0, "time/reward": time.perf_counter() - t1,
              "reward/timeouts": rstats["timeouts"], "reward/errors": rstats["errors"],
-             "gen/tokens": sum(s["len"] for s in local),  # and gen/nll: every token's entropy
-             "gen/nll": -sum(sum(s["vllm_logp"]) for s in local),  # distinct responses: Sec. 3.1
+             "gen/tokens": sum(s["len"] for s in local),
+             "gen/nll": -sum(sum(s["vllm_logp"]) for s in local),  # -log p of the sampled tokens
              "gen/distinct": sum(len({tuple(s["response_ids"]) for s in local[i:i + n]})
-                                 for i in range(0, len(local), n))}
-    return share_groups(run, local, idx, prompt_ids, n, stats)
+                                 for i in range(0, len(local), n))}  # Sec. 3.1's diversity
+    return share_groups(run, local, idx, prompt_ids, n, stats)  # Part 3: every rank, every group
 
 
 def collect_batch(sample_fn, sampler, cfg, carried=()):
@@ -457,7 +459,7 @@ def shape_rewards(samples, cfg):
 def set_advantages(samples, cfg):
     """Eq. 9 (or --adv-estimator's, ADV_ESTIMATORS in Part 2) on the kept groups, into each sample's
     "adv". Returns how many groups have advantages not all zero (they carry a gradient)."""
-    estimator = ADV_ESTIMATORS[cfg.adv_estimator]  # grpo: group_advantages, on the shaped rewards
+    estimator = ADV_ESTIMATORS[cfg.adv_estimator]  # Part 2's table; grpo: group_advantages
     values = torch.tensor([float(s[estimator["reads"]]) for s in samples])
     adv = estimator["fn"](values, cfg.group_size)
     for s, a in zip(samples, adv.tolist()):
@@ -493,7 +495,7 @@ def update_policy(run, samples, step):
             totals = {k: totals[k] + v for k, v in sums.items()}
             grad_norms.append(grad_norm)
     run.opt.zero_grad(set_to_none=True)
-    return {"lr": lr, **update_metrics(run, totals, grad_norms, skipped, my_micros, sync)}
+    return {"lr": lr, **update_metrics(run, totals, grad_norms, skipped, my_micros, sync)}  # Part 3
 
 
 def policy_gradient(run, mini, micros, threshold=None):
@@ -505,7 +507,7 @@ def policy_gradient(run, mini, micros, threshold=None):
     sums = {}
     for mb in micros:
         batch = collate(mb, run.pad_id, device, packs_one_row(cfg))  # Part 3: packed rows
-        logp, ent = run.model.forward_logprobs(batch, cfg.temperature, cfg.logprob_chunk)  # (B, T)
+        logp, ent = run.model.forward_logprobs(batch, cfg.temperature, cfg.logprob_chunk)  # Part 3
         old = old_logp_of(mb, logp)  # Part 3: π_θold; the first mini-batch's is this pass
         trained = torch.tensor([float(s["trained"]) for s in mb], device=device)
         mask = batch["mask"] * trained[:, None]  # Sec. 3.4: a filtered sample's tokens are masked
