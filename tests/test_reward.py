@@ -539,6 +539,28 @@ def test_fewshot_addition_rows_hold_two_worked_examples(tmp_path):
     assert not {json.dumps(r["prompt"]) for r in held} & {json.dumps(r["prompt"]) for r in train}
 
 
+def test_fewshot_chain_rows_write_running_totals_the_checker_scores(tmp_path):
+    """examples/fewshot_chain.py (the real-model ladder's task): two worked examples as earlier chat turns, each
+    a running total one addition a line ending in "Answer: <sum>", then a question of 3 to 5 one-digit numbers;
+    the held-out split is a third of each level and never appears in training."""
+    chain = _example("fewshot_chain")
+    chain.main([str(tmp_path)])
+    train, held = (dapo.load_data(str(tmp_path / f"{n}.jsonl")) for n in ("train", "eval"))
+    assert len(held) == 96 and sorted({r["level"] for r in train}) == [3, 4, 5]
+    assert all(sum(r["level"] == n for r in held) == 32 for n in (3, 4, 5))
+    for r in train[:50] + held:
+        nums = list(map(int, re.findall(r"\d+", r["prompt"][-1]["content"])))
+        assert len(nums) == r["level"] and all(1 <= x <= 9 for x in nums)
+        assert r["answer"] == str(sum(nums)) and reward.is_correct(chain.solution(nums), r["answer"])
+        for shown in r["prompt"][1:4:2]:
+            lines = shown["content"].split("\n")
+            for line in lines[:-1]:  # "a + b = c", each right, each a starting from the last total
+                a, b, c = map(int, re.findall(r"\d+", line))
+                assert a + b == c
+            assert lines[-1] == f"Answer: {c}"
+    assert not {json.dumps(r["prompt"]) for r in held} & {json.dumps(r["prompt"]) for r in train}
+
+
 def test_evaluate_bounds_the_time_of_majority_voting(monkeypatch, capsys):
     """maj@k compares a prompt's answers with each other through reward.score_batch, under --reward-timeout per
     comparison, as training's scoring does: answers that sympy takes minutes to compare in-process
