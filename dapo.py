@@ -69,12 +69,13 @@ from lib.check_data import latest_checkpoint, load as load_data, one_line, step_
 # =========================================================================================
 # Part 1: DAPO
 # =========================================================================================
-# Config: every field becomes a flag (`eps_high` -> --eps-high); its comment is the --help text. A
-# numeric field's range stands in braces ({>= 1}, {> 0}, {(0, 1]}: check_config reads it there); one
-# with none must be >= 0, and its comment says what 0 means.
+# The settings: each field is a flag (`eps_high` -> --eps-high), its comment the --help text. A
+# numeric field's range stands in braces ({>= 1}, {> 0}, {(0, 1]}: check_config reads it there);
+# one with none must be >= 0, and its comment says what 0 means. DAPO's and the run's are here;
+# after DAPO's are AfterDapoConfig (Part 2), the hardware's SystemConfig (Part 3).
 
 @dataclass
-class Config:
+class DapoConfig:
     # DAPO: Table 1's techniques (each one flag: the table is a set of command lines)
     eps_low: float = 0.2             # ε_low (Eq. 10) {(0, 1]}
     eps_high: float = 0.28           # ε_high, Clip-Higher (Sec. 3.1); 0.2 = symmetric GRPO clip
@@ -101,52 +102,11 @@ class Config:
     weight_decay: float = 0.1        # AdamW weight decay (the reference run's); 0 = none
     grad_clip: float = 1.0           # max global grad norm; 0 = no clipping (the norm is still
     #  logged)
-    # after DAPO (Part 2), each off by default: OBJECTIVES gives each --loss's preset, settings
-    loss: str = "dapo"               # the objective: dapo (Eq. 10, 12), or a later one (OBJECTIVES)
-    adv_estimator: str = "grpo"      # A_i from the group's rewards: grpo (Eq. 9) or a later one
-    #  (ADV_ESTIMATORS)
-    sapo_tau_pos: float = 1.0        # --loss sapo: the soft gate's temperature τ_pos where A > 0
-    #  {> 0}
-    sapo_tau_neg: float = 1.05       # --loss sapo: τ_neg, where A <= 0 {> 0}
-    dppo_anchor: str = "rollout"     # --loss dppo_*: the trust region's centre: rollout (π_rollout,
-    #  the authors' dppo_binary_*) or recompute (π_θold, their *_recompute); the ratio is π_θ /
-    #  π_rollout either way
-    dppo_ratio_cap: float = 10.0     # --loss dppo_*: c, the ratio's truncation (the authors' loss;
-    #  verl's actor config: 3) {> 0}
-    clip_cov_ratio: float = 2e-4     # --loss clip_cov: the share of tokens whose gradient is cut
-    #  {(0, 1]}
-    clip_cov_lb: float = 1.0         # --loss clip_cov: the covariance's lower bound for a cut token
-    clip_cov_ub: float = 5.0         # --loss clip_cov: the covariance's upper bound for a cut token
-    #  {> 0}
-    kl_cov_ratio: float = 2e-4       # --loss kl_cov: the share of tokens that get the KL penalty
-    #  {(0, 1]}
-    kl_cov_coef: float = 0.1         # --loss kl_cov: the penalty's coefficient on |log r| {> 0}
-    dual_clip: float = 0.0           # dual-clip PPO's c > 1: bounds the loss where A < 0 (the
-    #  reference run: 10); 0 = off
-    kl_coef: float = 0.0             # β: GRPO's k3 KL penalty to the frozen initial policy (DAPO
-    #  drops it, Sec. 2.3); 0 = off, no reference model loaded
-    top_entropy_quantile: float = 1.0  # ρ: only the mini-batch's top-ρ entropy tokens bear the
-    #  policy loss; 1.0 = off, every token {(0, 1]}
-    tis_mode: str = "token_truncate"  # importance weights π_θold / π_rollout per token or per
-    #  sequence: token_truncate, token_mask, sequence_truncate or sequence_mask
-    tis_cap: float = 0.0             # the weights' upper bound C; 0 = off (the paper)
-    tis_min: float = 0.0             # the weights' lower bound; 0 = none
-    off_policy_mask: float = 0.0     # δ: drop the A < 0 sequences whose mean log π_rollout - log
-    #  π_θ exceeds δ; 0 = off
-    carry_surplus: bool = False      # groups that pass Eq. 11 beyond the batch's N train in the
-    #  next step (first, at most N/2 of them, one step old) instead of being dropped
-    skip_solved: int = 0             # set aside, for the rest of the run, a prompt whose G
-    #  responses were all right in each of its last K draws (while a generation batch's worth of
-    #  prompts is left); 0 = off
-    lora_rank: int = 0               # r: LoRA adapters on every linear layer of the decoder
-    #  (attention's q, k, v, o, the MLP's gate, up, down), the rest frozen; 0 = every weight trains
-    lora_alpha: float = 32.0         # α: the adapters' update is (α / r) B A {> 0}
-    # the run: data, model, steps, evaluation, logging
+    # the run: model, data, steps, evaluation, checkpoints
     model: str = ""                  # HF model dir or hub name; "" = the built-in tiny demo model
     train_data: str = ""             # parquet (verl schema), JSONL or a .json array; "" = the
     #  built-in task
     eval_data: str = ""              # held-out file, same formats; "" = built-in held-out split
-    dedup: bool = True               # drop repeated prompts (DAPO-Math-17k repeats each ~100x)
     task: str = "add"                # built-in task: add (2-digit sums) or carry (1-5 columns, the
     #  ladder's)
     reward: str = "reward:math_reward"  # R (Eq. 7): module:function or path/to/file.py:function,
@@ -163,48 +123,9 @@ class Config:
     eval_max_prompts: int = 0        # evaluate on at most this many held-out prompts; 0 = all
     out_dir: str = "runs/dapo"       # metrics, samples and checkpoints go here
     save_every: int = 0              # checkpoint every N rollout steps; 0 = only at the end
-    keep_checkpoints: int = 2        # keep the last K checkpoints; 0 = keep all
     resume: bool = False             # continue from the latest checkpoint in out_dir
     eval_only: bool = False          # evaluate --model (or, with --resume, the latest checkpoint)
     #  and exit
-    log_samples: int = 4             # sampled responses per step written to samples.jsonl; 0 = none
-    wandb_project: str = ""          # log to Weights & Biases under this project (needs `pip
-    #  install wandb`)
-    demo_sft_target: float = 0.3     # demo only: the warm-start's target accuracy; 0 = none
-    #  {[0, 1]}
-    save_dtype: str = ""             # dtype of the checkpoints' HF export: bfloat16 or float32; ""
-    #  = bfloat16, and float32 with --lora-rank (bf16 would round the merged adapters' small updates
-    #  away)
-    hf_shard_gb: float = 5.0         # largest safetensors file of the Hugging Face export, GB {> 0}
-    max_nonfinite: int = 10          # stop after this many steps in a row skipped for NaN/inf
-    #  {>= 1}
-    max_sync_diff: float = 0.1       # stop if the trainer's and vLLM's log-probs differ by more; 0
-    #  = off (mean over the kept samples' tokens, nats: healthy bf16 runs report ~0.01-0.04, a
-    #  broken sync 0.3+)
-    reward_timeout: float = 5.0      # hard per-item limit of the answer checker, seconds {> 0}
-    reward_workers: int = 2          # checker worker processes per rank {>= 1}
-    # the hardware: memory, precision, parallelism, the engine
-    micro_batch_size: int = 4        # sequences per forward/backward on one rank {>= 1}
-    micro_batch_tokens: int = 0      # micro-batches by this budget of real tokens; 0 = by
-    #  --micro-batch-size
-    logprob_chunk: int = 1024        # tokens per chunk of the memory-lean log-prob path {>= 1}
-    grad_checkpointing: bool = False  # recompute each decoder layer's activations in backward
-    cpu_offload: bool = False        # CUDA only: keep sharded params, grads and optimizer state in
-    #  CPU RAM
-    precision: str = ""              # bf16 (bf16 compute, fp32 master weights and reductions, an
-    #  fp32 output head) or fp32, in the trainer and vLLM alike; "" = bf16 on CUDA, fp32 on CPU
-    attn_impl: str = ""              # trainer attention: flex_attention, flash_attention_2 or sdpa;
-    #  "" = flex on CUDA (sequences packed in one row, block-sparse masks), sdpa on CPU (rows, dense
-    #  masks)
-    tp_size: int = 1                 # vLLM tensor-parallel size (TP groups = contiguous ranks)
-    #  {>= 1}
-    gpu_memory_utilization: float = 0.6  # vLLM's share of GPU memory (weights + KV cache) {(0, 1]}
-    cpu_kv_cache_gb: float = 1.0     # vLLM KV cache on the CPU backend, GiB per rank {> 0}
-    vllm_sleep: bool = True          # CUDA only: free vLLM's memory while training
-    collective_timeout_min: float = 180.0  # minutes a rank may wait in a collective (torch: 30)
-    #  {> 0}
-    deterministic: bool = False      # vLLM's batch-invariant kernels (CUDA) and torch's
-    #  deterministic algorithms (CPU runs are deterministic already)
 
 
 # -----------------------------------------------------------------------------------------
@@ -559,6 +480,51 @@ def evaluate(run, tag):
 # selection, carried surplus, skipped prompts, LoRA. Part 1 reaches them through the two tables and
 # after_rollout, loss_terms, adjust_token_losses and selection_threshold.
 # =========================================================================================
+# The settings of what came after DAPO, each off by default (OBJECTIVES gives each --loss's preset)
+
+@dataclass
+class AfterDapoConfig:
+    loss: str = "dapo"               # the objective: dapo (Eq. 10, 12), or a later one (OBJECTIVES)
+    adv_estimator: str = "grpo"      # A_i from the group's rewards: grpo (Eq. 9) or a later one
+    #  (ADV_ESTIMATORS)
+    sapo_tau_pos: float = 1.0        # --loss sapo: the soft gate's temperature τ_pos where A > 0
+    #  {> 0}
+    sapo_tau_neg: float = 1.05       # --loss sapo: τ_neg, where A <= 0 {> 0}
+    dppo_anchor: str = "rollout"     # --loss dppo_*: the trust region's centre: rollout (π_rollout,
+    #  the authors' dppo_binary_*) or recompute (π_θold, their *_recompute); the ratio is π_θ /
+    #  π_rollout either way
+    dppo_ratio_cap: float = 10.0     # --loss dppo_*: c, the ratio's truncation (the authors' loss;
+    #  verl's actor config: 3) {> 0}
+    clip_cov_ratio: float = 2e-4     # --loss clip_cov: the share of tokens whose gradient is cut
+    #  {(0, 1]}
+    clip_cov_lb: float = 1.0         # --loss clip_cov: the covariance's lower bound for a cut token
+    clip_cov_ub: float = 5.0         # --loss clip_cov: the covariance's upper bound for a cut token
+    #  {> 0}
+    kl_cov_ratio: float = 2e-4       # --loss kl_cov: the share of tokens that get the KL penalty
+    #  {(0, 1]}
+    kl_cov_coef: float = 0.1         # --loss kl_cov: the penalty's coefficient on |log r| {> 0}
+    dual_clip: float = 0.0           # dual-clip PPO's c > 1: bounds the loss where A < 0 (the
+    #  reference run: 10); 0 = off
+    kl_coef: float = 0.0             # β: GRPO's k3 KL penalty to the frozen initial policy (DAPO
+    #  drops it, Sec. 2.3); 0 = off, no reference model loaded
+    top_entropy_quantile: float = 1.0  # ρ: only the mini-batch's top-ρ entropy tokens bear the
+    #  policy loss; 1.0 = off, every token {(0, 1]}
+    tis_mode: str = "token_truncate"  # importance weights π_θold / π_rollout per token or per
+    #  sequence: token_truncate, token_mask, sequence_truncate or sequence_mask
+    tis_cap: float = 0.0             # the weights' upper bound C; 0 = off (the paper)
+    tis_min: float = 0.0             # the weights' lower bound; 0 = none
+    off_policy_mask: float = 0.0     # δ: drop the A < 0 sequences whose mean log π_rollout - log
+    #  π_θ exceeds δ; 0 = off
+    carry_surplus: bool = False      # groups that pass Eq. 11 beyond the batch's N train in the
+    #  next step (first, at most N/2 of them, one step old) instead of being dropped
+    skip_solved: int = 0             # set aside, for the rest of the run, a prompt whose G
+    #  responses were all right in each of its last K draws (while a generation batch's worth of
+    #  prompts is left); 0 = off
+    lora_rank: int = 0               # r: LoRA adapters on every linear layer of the decoder
+    #  (attention's q, k, v, o, the MLP's gate, up, down), the rest frozen; 0 = every weight trains
+    lora_alpha: float = 32.0         # α: the adapters' update is (α / r) B A {> 0}
+
+
 # Objectives. Each takes the micro-batch's Tokens (Part 1) and the Config, and returns its token losses
 # and where its clip binds, below and above (and optionally its own statistics, by name), as
 # dapo_token_loss does.
@@ -858,6 +824,60 @@ def add_lora(model, cfg):
 # Part 3: the plumbing (packing, the fp32 head, FSDP2, vLLM, files, checks, Ctrl-C). DAPO never
 # changes below this line.
 # =========================================================================================
+# The settings of the plumbing, and Config: every setting of the three parts, as the flags read them
+
+@dataclass
+class SystemConfig:
+    # files, logs and limits
+    dedup: bool = True               # drop repeated prompts (DAPO-Math-17k repeats each ~100x)
+    keep_checkpoints: int = 2        # keep the last K checkpoints; 0 = keep all
+    log_samples: int = 4             # sampled responses per step written to samples.jsonl; 0 = none
+    wandb_project: str = ""          # log to Weights & Biases under this project (needs `pip
+    #  install wandb`)
+    demo_sft_target: float = 0.3     # demo only: the warm-start's target accuracy; 0 = none
+    #  {[0, 1]}
+    save_dtype: str = ""             # dtype of the checkpoints' HF export: bfloat16 or float32; ""
+    #  = bfloat16, and float32 with --lora-rank (bf16 would round the merged adapters' small updates
+    #  away)
+    hf_shard_gb: float = 5.0         # largest safetensors file of the Hugging Face export, GB {> 0}
+    reward_timeout: float = 5.0      # hard per-item limit of the answer checker, seconds {> 0}
+    reward_workers: int = 2          # checker worker processes per rank {>= 1}
+    max_nonfinite: int = 10          # stop after this many steps in a row skipped for NaN/inf
+    #  {>= 1}
+    max_sync_diff: float = 0.1       # stop if the trainer's and vLLM's log-probs differ by more; 0
+    #  = off (mean over the kept samples' tokens, nats: healthy bf16 runs report ~0.01-0.04, a
+    #  broken sync 0.3+)
+    # the hardware: memory, precision, parallelism, the engine
+    micro_batch_size: int = 4        # sequences per forward/backward on one rank {>= 1}
+    micro_batch_tokens: int = 0      # micro-batches by this budget of real tokens; 0 = by
+    #  --micro-batch-size
+    logprob_chunk: int = 1024        # tokens per chunk of the memory-lean log-prob path {>= 1}
+    grad_checkpointing: bool = False  # recompute each decoder layer's activations in backward
+    cpu_offload: bool = False        # CUDA only: keep sharded params, grads and optimizer state in
+    #  CPU RAM
+    precision: str = ""              # bf16 (bf16 compute, fp32 master weights and reductions, an
+    #  fp32 output head) or fp32, in the trainer and vLLM alike; "" = bf16 on CUDA, fp32 on CPU
+    attn_impl: str = ""              # trainer attention: flex_attention, flash_attention_2 or sdpa;
+    #  "" = flex on CUDA (sequences packed in one row, block-sparse masks), sdpa on CPU (rows, dense
+    #  masks)
+    tp_size: int = 1                 # vLLM tensor-parallel size (TP groups = contiguous ranks)
+    #  {>= 1}
+    gpu_memory_utilization: float = 0.6  # vLLM's share of GPU memory (weights + KV cache) {(0, 1]}
+    cpu_kv_cache_gb: float = 1.0     # vLLM KV cache on the CPU backend, GiB per rank {> 0}
+    vllm_sleep: bool = True          # CUDA only: free vLLM's memory while training
+    collective_timeout_min: float = 180.0  # minutes a rank may wait in a collective (torch: 30)
+    #  {> 0}
+    deterministic: bool = False      # vLLM's batch-invariant kernels (CUDA) and torch's
+    #  deterministic algorithms (CPU runs are deterministic already)
+
+
+@dataclass
+class Config(SystemConfig, AfterDapoConfig, DapoConfig):
+    """Every setting: DAPO's and the run's (Part 1), after DAPO's (Part 2), the plumbing's (Part 3), in that
+    order in --help. parse_config makes each field a flag."""
+
+
+# -----------------------------------------------------------------------------------------
 # Flags, presets and errors
 
 # The built-in task's settings, applied on the built-in model (no --model, or a saved demo model; a flag

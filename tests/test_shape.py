@@ -55,7 +55,7 @@ def test_dapo_py_reads_as_the_algorithm_first():
     body = ast.parse(src).body
     defs = {n.name: n for n in body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     tables = {t.id: n for n in body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
-    for name in ("Config", "policy_loss", "group_advantages", "dapo_token_loss", "dynamic_sampling_mask",
+    for name in ("DapoConfig", "policy_loss", "group_advantages", "dapo_token_loss", "dynamic_sampling_mask",
                  "loss_normaliser", "overlong_penalty", "overlong_filtering", "train", "sample_groups", "collect_batch",
                  "shape_rewards", "set_advantages", "update_policy", "policy_gradient", "evaluate"):
         assert defs[name].end_lineno <= part1, f"{name}() is DAPO: move it above the '# Part 2' banner"
