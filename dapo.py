@@ -136,11 +136,11 @@ class DapoConfig:
 #   vllm_logp              vLLM: log π_rollout of each response token (absent on a stub)
 #   len, truncated         vLLM: |o_i|; whether generation was cut at --max-response-len
 #   text                   generate (Part 3): the decoded response (to_trainers drops it)
-#   score, success         --reward (Eq. 7: ±1 and the verdict; a reward of one's own: any number,
-#                          and whether it counts as a success, for acc/mean, avg@k and pass@k)
+#   score, success         --reward, the function reward.py calls (Eq. 7: R = ±1 and the verdict; a
+#                          reward of one's own: any number, and whether it counts as a success)
 #   answer, metrics        --reward, where it gives them: the answer read (maj@k); score/<name>
 #   failed                 --reward raised, crashed, overran or returned garbage (group's lowest)
-#   reward                 shape_rewards: the score plus Eq. 13's penalty
+#   reward                 shape_rewards: the score plus Eq. 13's penalty (what Eq. 9 reads)
 #   adv                    set_advantages: A_i (Eq. 9, or --adv-estimator's)
 #   trained                overlong_filtering (Sec. 3.4): False masks the sample's loss
 #   trainer                to_trainers (Part 3): the rank that trains it; on every other rank the
@@ -168,9 +168,10 @@ class DapoConfig:
 
 # What an objective reads of one micro-batch, per token, (B, T) each: Eq. 9's r_{i,t} ("ratio", and
 # its log) and Â_{i,t} ("adv", (B, 1): A_i on every token of o_i), the log-probs they come from, the
-# mask of the trained tokens, and vLLM's own log-probs (for a later objective; else π_θold's).
+# mask of the trained tokens; for a later objective (Part 2), vLLM's own log-probs (else π_θold's)
+# and the tokens it picked over the whole mini-batch (1s; else none).
 Tokens = NamedTuple("Tokens", [(name, torch.Tensor) for name in (
-    "logp", "old_logp", "log_ratio", "ratio", "adv", "mask", "rollout_logp")])
+    "logp", "old_logp", "log_ratio", "ratio", "adv", "mask", "rollout_logp", "picked")])
 # Eq. 12's denominator, decided once per mini-batch (loss_normaliser): each sample's mean first
 # (GRPO), or every token alike (DAPO), then divided by n, a count over the WHOLE mini-batch (every
 # micro-batch and rank), so that the micro-batch losses add up exactly.
@@ -184,12 +185,13 @@ def policy_loss(logp, old_logp, advantages, mask, cfg, denom=None, more=None):
     (Part 2's loss_terms), None for the paper's objective. Returns (loss, stats)."""
     log_ratio = torch.where(mask.bool(), logp - old_logp, 0.0).clamp(-20.0, 20.0)  # as verl's
     ratio = torch.exp(log_ratio)  # Eq. 9's r_{i,t} = π_θ(o_{i,t} | q, o_{i,<t}) / π_θold(...)
-    rollout = (more or {}).get("rollout_logp", old_logp)
-    t = Tokens(logp, old_logp, log_ratio, ratio, advantages.unsqueeze(-1), mask, rollout)
+    more = more or {}
+    rollout, picked = more.get("rollout_logp", old_logp), more.get("picked", torch.zeros_like(mask))
+    t = Tokens(logp, old_logp, log_ratio, ratio, advantages.unsqueeze(-1), mask, rollout, picked)
     # OBJECTIVES, Part 2's table: DAPO's entry is dapo_token_loss (Eq. 10), with Eq. 12's normaliser
     per_token, low, high, *own = OBJECTIVES[cfg.loss]["token_loss"](t, cfg)
     stats = own[0] if own else {}
-    per_token = adjust_token_losses(per_token, t, cfg, more or {}, stats)  # Part 2: none by default
+    per_token = adjust_token_losses(per_token, t, cfg, more, stats)  # Part 2: none by default
     denom = denom or Normaliser(per_sample=False, n=mask.sum())
     masked = per_token * mask
     if denom.per_sample:  # GRPO: each sample weighs the same, whatever its length
@@ -266,7 +268,9 @@ def warmup_lr(step, cfg):
 # The loop: the paper's Algorithm 1
 
 def train(cfg):
-    """Algorithm 1, its line numbers in the comments. Returns held-out metrics (before, after)."""
+    """Algorithm 1, its line numbers in the comments. `step` counts from 0 here; the logs,
+    checkpoints and evaluations number steps from 1, as Algorithm 1 does. Returns held-out metrics
+    (before, after)."""
     run = set_up(cfg)  # Part 3: checks, data, vLLM, the sharded policy and optimizer, resume, logs
     if cfg.eval_only:
         return evaluate(run, os.path.basename(run.path.rstrip("/")) or "model"), {}
@@ -275,19 +279,19 @@ def train(cfg):
     after = None
     for step in steps_left(run):  # 1: for step = 1, ..., M (Part 3: with a progress bar)
 
-        def draw(idx, b):  # 2, 4, 5: G responses to each prompt from π_θold, rewarded (Eq. 7)
+        def draw(idx, b):  # 2, 4, 5: prompts; G responses each from π_θold, rewarded (Eq. 7)
             return sample_groups(run, run.train_rows, run.train_ids, idx, cfg.group_size,
                                  cfg.temperature, cfg.top_p, (cfg.seed, step, b))
 
-        # 6-7: Eq. 11 keeps the groups whose rewards differ, batch after batch, until N are kept
+        # 6-8: Eq. 11 keeps the groups whose rewards differ; while fewer than N are kept, draw again
         kept, surplus, generated, metrics = collect_batch(draw, run.sampler, cfg, run.carried)
         after_rollout(run, surplus, generated, metrics)  # Part 2: --carry-surplus, --skip-solved
         shape_rewards([s for g in generated for s in g], cfg)  # Eq. 13, added to Eq. 7's reward
         samples = [s for g in kept for s in g]
-        metrics["batch/effective_groups"] = set_advantages(samples, cfg)  # 8: Â_{i,t} (Eq. 9)
+        metrics["batch/effective_groups"] = set_advantages(samples, cfg)  # 9: Â_{i,t} (Eq. 9)
         overlong_filtering(samples, cfg)  # Sec. 3.4
         to_trainers(run, samples, metrics)  # Part 3: each sample's tokens to the rank training it
-        metrics.update(update_policy(run, samples, step))  # 9-10: μ updates maximising Eq. 8
+        metrics.update(update_policy(run, samples, step))  # 10-11: μ updates maximising Eq. 8
         metrics.update(push_weights(run))  # 3, for the next step: π_θold <- π_θ, in vLLM (Part 3)
         if step + 1 == cfg.steps:  # held-out evaluation; the logs and the checkpoint (Part 3)
             evals = after = evaluate(run, "after")
@@ -329,18 +333,18 @@ def sample_groups(run, rows, prompt_ids, idx, n, temperature, top_p, key):
     stats = {"time/rollout": t1 - t0, "time/reward": time.perf_counter() - t1,
              "reward/timeouts": rstats["timeouts"], "reward/errors": rstats["errors"],
              "gen/tokens": sum(s["len"] for s in local),
-             "gen/nll": -sum(sum(s["vllm_logp"]) for s in local),  # -log p of the sampled tokens
+             "gen/nll": -sum(sum(s["vllm_logp"]) for s in local),  # entropy/generated's estimate
              "gen/distinct": sum(len({tuple(s["response_ids"]) for s in local[i:i + n]})
                                  for i in range(0, len(local), n))}  # Sec. 3.1's diversity
     return share_groups(run, local, idx, prompt_ids, n, stats)  # Part 3: every rank, every group
 
 
 def collect_batch(sample_fn, sampler, cfg, carried=()):
-    """Algorithm 1, lines 2-7: generation batches until N groups pass Eq. 11, or until the batches
-    left could not fill it at twice the keep rate so far. sample_fn(prompt indices, batch no) ->
-    (groups, stats). carried: groups of the step before (--carry-surplus, fewer than N), taken
-    first. Returns (the N kept groups, the surplus: the new ones past N, every group generated,
-    stats)."""
+    """Algorithm 1, lines 2, 4-8: generation batches until N groups pass Eq. 11, or until the
+    batches left could not fill it at twice the keep rate so far. sample_fn(prompt indices, batch
+    no) -> (groups, stats). carried: groups of the step before (--carry-surplus, fewer than N),
+    taken first. Returns (the N kept groups, the surplus: the new ones past N, every group
+    generated, stats)."""
     G, N = cfg.group_size, cfg.prompts_per_step
     size = cfg.gen_batch_size if cfg.dynamic_sampling else N
     kept, generated, passed, stats, b = list(carried), [], [], {}, 0
@@ -378,11 +382,12 @@ def shape_rewards(samples, cfg):
 
 
 def set_advantages(samples, cfg):
-    """Eq. 9 (or --adv-estimator's, ADV_ESTIMATORS in Part 2) on the kept groups, into each sample's
-    "adv". Returns how many groups have advantages not all zero (they carry a gradient)."""
+    """Eq. 9 (or --adv-estimator's, ADV_ESTIMATORS in Part 2) on the kept groups, into each
+    sample's "adv": the estimator reads the sample keys its entry names, each a (B,) tensor, and G.
+    Returns how many groups have advantages not all zero (they carry a gradient)."""
     estimator = ADV_ESTIMATORS[cfg.adv_estimator]  # Part 2's table; grpo: group_advantages
-    values = torch.tensor([float(s[estimator["reads"]]) for s in samples])
-    adv = estimator["fn"](values, cfg.group_size)
+    columns = [torch.tensor([float(s[key]) for s in samples]) for key in estimator["reads"]]
+    adv = estimator["fn"](*columns, cfg.group_size)
     for s, a in zip(samples, adv.tolist()):
         s["adv"] = a
     return int((adv.view(-1, cfg.group_size) != 0).any(1).sum())
@@ -392,7 +397,7 @@ def set_advantages(samples, cfg):
 # Update: π_θold, then μ gradient steps with the exact token-level normaliser
 
 def update_policy(run, samples, step):
-    """Algorithm 1, lines 9-10: μ = num_mini_batches AdamW steps on the batch (each sample carries
+    """Algorithm 1, lines 10-11: μ = num_mini_batches AdamW steps on the batch (each sample carries
     "adv" and "trained"), at the warm-up's learning rate. A mini-batch with a non-finite loss or
     gradient norm on any rank, or no trained token, steps no optimizer."""
     cfg, lr = run.cfg, warmup_lr(step, run.cfg)
@@ -402,10 +407,10 @@ def update_policy(run, samples, step):
     totals, grad_norms, skipped, sync = None, [], 0, {}
     with tf32_head(run.device, cfg):  # Part 3: on CUDA in bf16, the fp32 head as a TF32 GEMM
         old_logprobs(run, my_micros)  # Part 3: π_θold before any update (and what Part 2 reads)
-        for mini, micros in zip(minis, my_micros):
-            threshold = selection_threshold(micros, cfg)  # Part 2: --top-entropy-quantile's
+        for m, (mini, micros) in enumerate(zip(minis, my_micros)):
+            select_tokens(mini, micros, cfg, (cfg.seed, step, m))  # Part 2: none by default
             run.opt.zero_grad(set_to_none=True)
-            sums, tokens = policy_gradient(run, mini, micros, threshold)
+            sums, tokens = policy_gradient(run, mini, micros)
             if totals is None:  # every π_θold is known now: a broken sync stops before any step
                 totals, sync = dict.fromkeys(sums, 0.0), check_sync(run, my_micros)  # Part 3
             grad_norm = clip_gradients(run, sums["loss"])  # Part 3: None if any rank saw NaN/inf
@@ -419,7 +424,7 @@ def update_policy(run, samples, step):
     return {"lr": lr, **update_metrics(run, totals, grad_norms, skipped, my_micros, sync)}  # Part 3
 
 
-def policy_gradient(run, mini, micros, threshold=None):
+def policy_gradient(run, mini, micros):
     """Accumulate the gradient of Eq. 8 over one mini-batch (`mini`: every rank's samples; `micros`:
     this rank's micro-batches). Returns (this rank's sums of the statistics, by name; the
     mini-batch's trained tokens)."""
@@ -433,11 +438,11 @@ def policy_gradient(run, mini, micros, threshold=None):
         trained = torch.tensor([float(s["trained"]) for s in mb], device=device)
         mask = batch["mask"] * trained[:, None]  # Sec. 3.4: a filtered sample's tokens are masked
         adv = torch.tensor([s["adv"] for s in mb], device=device)
-        more = loss_terms(mb, logp, old, adv, mask, cfg, threshold)  # Part 2: None by default
+        more = loss_terms(mb, logp, old, adv, mask, cfg)  # Part 2: None by default
         loss, stats = policy_loss(logp, old, adv, mask, cfg, denom, more)
         (loss * world()).backward()  # FSDP2 averages the gradients over ranks; Eq. 12 sums them
         n = mask.sum().item()
-        stats["entropy"] = (ent * mask).sum() / max(n, 1.0)
+        stats["entropy"] = (ent * mask).sum() / max(n, 1.0)  # π_θ's, exact, on the trained tokens
         add_stats(sums, stats, n, trained.sum().item(), loss.item())  # Part 3: sums by name
     return sums, sum(s["len"] for s in mini if s["trained"])
 
@@ -478,7 +483,7 @@ def evaluate(run, tag):
 # Part 2: after DAPO. What came later, each behind its own flag and off by default: objectives
 # (OBJECTIVES), advantage estimators (ADV_ESTIMATORS), rollout corrections, the KL penalty, a token
 # selection, carried surplus, skipped prompts, LoRA. Part 1 reaches them through the two tables and
-# after_rollout, loss_terms, adjust_token_losses and selection_threshold.
+# after_rollout, select_tokens, loss_terms and adjust_token_losses.
 # =========================================================================================
 # The settings of what came after DAPO, each off by default (OBJECTIVES gives each --loss's preset)
 
@@ -493,16 +498,18 @@ class AfterDapoConfig:
     dppo_anchor: str = "rollout"     # --loss dppo_*: the trust region's centre: rollout (π_rollout,
     #  the authors' dppo_binary_*) or recompute (π_θold, their *_recompute); the ratio is π_θ /
     #  π_rollout either way
-    dppo_ratio_cap: float = 10.0     # --loss dppo_*: c, the ratio's truncation (the authors' loss;
-    #  verl's actor config: 3) {> 0}
-    clip_cov_ratio: float = 2e-4     # --loss clip_cov: the share of tokens whose gradient is cut
-    #  {(0, 1]}
+    dppo_ratio_cap: float = 1e4      # --loss dppo_*: c, the ratio's truncation: the authors' runs' 1e4 (verl's
+    #  DPPO example: in effect none; their code's default is 3) {> 0: for no truncation give a large finite c,
+    #  as the default 1e4}
+    clip_cov_ratio: float = 2e-4     # --loss clip_cov: the share of the mini-batch's tokens whose gradient is
+    #  cut (the authors' 7B and 32B scripts) {(0, 1]}
     clip_cov_lb: float = 1.0         # --loss clip_cov: the covariance's lower bound for a cut token
     clip_cov_ub: float = 5.0         # --loss clip_cov: the covariance's upper bound for a cut token
     #  {> 0}
-    kl_cov_ratio: float = 2e-4       # --loss kl_cov: the share of tokens that get the KL penalty
-    #  {(0, 1]}
-    kl_cov_coef: float = 0.1         # --loss kl_cov: the penalty's coefficient on |log r| {> 0}
+    kl_cov_ratio: float = 2e-4       # --loss kl_cov: the share of the mini-batch's tokens that get the KL
+    #  penalty (the authors' 32B script; their 7B: 2e-3) {(0, 1]}
+    kl_cov_coef: float = 1.0         # --loss kl_cov: the penalty's coefficient on |log r| (the authors';
+    #  verl's default: 0.1) {> 0}
     dual_clip: float = 0.0           # dual-clip PPO's c > 1: bounds the loss where A < 0 (the
     #  reference run: 10); 0 = off
     kl_coef: float = 0.0             # β: GRPO's k3 KL penalty to the frozen initial policy (DAPO
@@ -583,42 +590,20 @@ def gmpo_token_loss(t, cfg):
     return loss, (t.log_ratio < -cfg.eps_low) & (t.adv < 0), (t.log_ratio > cfg.eps_high) & (t.adv > 0)
 
 
-def token_covariance(t):
-    """Cui et al. 2025's per-token covariance of advantage and log-probability over the micro-batch's
-    trained tokens, (A - mean A)(log π_θ - mean log π_θ), detached (verl's centring)."""
-    mask, n = t.mask.bool(), t.mask.sum().clamp(min=1)
-    adv = t.adv.expand_as(t.logp)
-    logp = t.logp.detach()
-    return (adv - (adv * t.mask).sum() / n) * (logp - (logp * t.mask).sum() / n), mask
-
-
 def clip_cov_token_loss(t, cfg):
-    """Clip-Cov (Cui et al. 2025, arXiv 2505.22617; verl's clip_cov): PPO's clipped loss, its gradient cut
-    on clip_cov_ratio of the micro-batch's tokens (at least one), drawn at random among those PPO's clip
-    left alone whose covariance (token_covariance) lies in (lb, ub): the few that drive the entropy down."""
+    """Clip-Cov (Cui et al. 2025, arXiv 2505.22617; verl's clip_cov): PPO's clipped loss, its gradient cut on
+    the tokens covariance_picks drew over the mini-batch (t.picked): a few of those whose covariance of A and
+    log π lies in (lb, ub), the tokens that drive the entropy down."""
     loss, low, high = dapo_token_loss(t, cfg)
-    cov, mask = token_covariance(t)
-    candidates = torch.nonzero(mask & ~(low | high) & (cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub))
-    k = max(int(cfg.clip_cov_ratio * mask.sum().item()), 1)
-    cut = candidates[torch.randperm(len(candidates))[:k]]  # verl: torch's generator (a checkpoint keeps it)
-    keep = torch.ones_like(loss)
-    keep[cut[:, 0], cut[:, 1]] = 0.0
-    return loss * keep, low, high, {"cov/cut_frac": (1 - keep).sum() / mask.sum().clamp(min=1)}
+    return loss * (1 - t.picked), low, high, {"cov/cut_frac": (t.picked * t.mask).sum() / t.mask.sum().clamp(min=1)}
 
 
 def kl_cov_token_loss(t, cfg):
-    """KL-Cov (Cui et al. 2025; verl's kl_cov): the unclipped -A r, plus kl_cov_coef |log r| on the
-    kl_cov_ratio of the micro-batch's tokens (at least one) with the largest covariance (token_covariance).
-    No clip binds."""
-    cov, mask = token_covariance(t)
-    k = max(int(cfg.kl_cov_ratio * mask.sum().item()), 1)
-    top = torch.topk(torch.where(mask, cov, -math.inf).flatten(), min(k, int(mask.sum())))[1]
-    penalised = torch.zeros_like(t.logp).flatten()
-    penalised[top] = 1.0
-    penalised = penalised.view_as(t.logp)
-    loss = -t.adv * t.ratio + penalised * cfg.kl_cov_coef * t.log_ratio.abs()
-    none = torch.zeros_like(mask)
-    return loss, none, none, {"cov/penalised_frac": penalised.sum() / mask.sum().clamp(min=1)}
+    """KL-Cov (Cui et al. 2025; verl's kl_cov): the unclipped -A r, plus kl_cov_coef |log r| on the tokens of
+    largest covariance of A and log π over the mini-batch (covariance_picks, t.picked). No clip binds."""
+    loss = -t.adv * t.ratio + t.picked * cfg.kl_cov_coef * t.log_ratio.abs()
+    none = torch.zeros_like(t.mask, dtype=torch.bool)
+    return loss, none, none, {"cov/penalised_frac": (t.picked * t.mask).sum() / t.mask.sum().clamp(min=1)}
 
 
 # --loss: the objective per token (token_loss), its normaliser where not Eq. 12's ("sample": each sample's
@@ -628,9 +613,12 @@ def kl_cov_token_loss(t, cfg):
 # beyond the Config fields named after it. DAPO's (Eq. 10, 12) first. GSPO: one ratio per sequence, so a far
 # narrower clip. CISPO: no lower bound on the weight (its ε_high is unpublished: DAPO's is kept). Dr. GRPO
 # (Liu et al. 2025): PPO's clip, A = R - mean, a constant normaliser. SAPO: a soft gate, no clip. DPPO: ε bounds
-# the token's probability (TV) or its binary KL, verl's thresholds; c is its authors'. GMPO: ε in log space.
-# Clip-Cov, KL-Cov: Cui et al.'s alternative to Clip-Higher (so PPO's symmetric clip), verl's presets; they pick
-# their tokens per micro-batch, as verl's ("per_micro_batch"), so their gradient depends on the layout.
+# the token's probability (TV) or its binary KL, verl's thresholds; c is its authors' runs' (1e4: in effect no
+# truncation). GMPO: ε in log space. Clip-Cov, KL-Cov: Cui et al.'s alternative to Clip-Higher, their authors'
+# scripts' values (Clip-Cov's PPO clip widened to [0, 2]; KL-Cov's unclipped); "picks": covariance_picks chooses
+# their tokens once over the mini-batch (verl: per micro-batch), so the update does not depend on the layout.
+# DPPO's weight min(π_θ / π_rollout, c) is its rollout correction: --tis-cap's π_θold / π_rollout would count it twice.
+DPPO_IGNORES = ("dual_clip", "tis_cap", "tis_mode", "tis_min")
 OBJECTIVES = {
     "dapo": dict(token_loss=dapo_token_loss),
     "gspo": dict(token_loss=gspo_token_loss, norm="sample", preset=dict(eps_low=3e-4, eps_high=4e-4),
@@ -640,19 +628,20 @@ OBJECTIVES = {
                     ignores=("token_level_loss",)),
     "sapo": dict(token_loss=sapo_token_loss, norm="sample", ignores=("eps_low", "eps_high", "dual_clip",
                                                                      "token_level_loss")),
-    "dppo_tv": dict(token_loss=dppo_token_loss, preset=dict(eps_low=0.15, eps_high=0.15), ignores=("dual_clip",),
+    "dppo_tv": dict(token_loss=dppo_token_loss, preset=dict(eps_low=0.15, eps_high=0.15), ignores=DPPO_IGNORES,
                     own=("dppo_anchor", "dppo_ratio_cap")),
-    "dppo_kl": dict(token_loss=dppo_token_loss, preset=dict(eps_low=0.05, eps_high=0.05), ignores=("dual_clip",),
+    "dppo_kl": dict(token_loss=dppo_token_loss, preset=dict(eps_low=0.05, eps_high=0.05), ignores=DPPO_IGNORES,
                     own=("dppo_anchor", "dppo_ratio_cap")),
     "gmpo": dict(token_loss=gmpo_token_loss, norm="sample", weights="sequence", preset=dict(eps_low=0.4, eps_high=0.4),
                  ignores=("dual_clip", "token_level_loss")),
-    "clip_cov": dict(token_loss=clip_cov_token_loss, preset=dict(eps_high=0.2), per_micro_batch=True),
-    "kl_cov": dict(token_loss=kl_cov_token_loss, ignores=("eps_low", "eps_high", "dual_clip"), per_micro_batch=True),
+    "clip_cov": dict(token_loss=clip_cov_token_loss, preset=dict(eps_low=1.0, eps_high=1.0), picks=True),
+    "kl_cov": dict(token_loss=kl_cov_token_loss, ignores=("eps_low", "eps_high", "dual_clip"), picks=True),
 }
 
 
-# Advantage estimators: A from a group's values ("reads": each sample's shaped "reward", or its "success"
-# as 0/1), (B,) -> (B,), groups as contiguous blocks of G.
+# Advantage estimators: A for each response of the kept batch, from the sample keys its entry "reads" (the shaped
+# "reward", the "success" as 0/1, the response's "len", or any other), each a (B,) tensor with the groups as
+# contiguous blocks of G, and G: fn(*columns, G) -> (B,).
 
 def dr_grpo_advantages(rewards, group_size):
     """Dr. GRPO (Liu et al. 2025): R_i - mean(R_group), no std."""
@@ -667,6 +656,18 @@ def rloo_advantages(rewards, group_size):
     return (r - (r.sum(1, keepdim=True) - r) / (group_size - 1)).view(-1)
 
 
+def reinforce_pp_baseline_advantages(rewards, lengths, group_size):
+    """REINFORCE++-baseline (Hu et al. 2025, arXiv 2501.03262), as verl's
+    compute_reinforce_plus_plus_baseline_outcome_advantage: R_i - mean(R_group), then whitened over the batch's
+    tokens (each response counts once per token, so its |o_i| weighs it), the unbiased variance, verl's 1e-8s."""
+    r = rewards.view(-1, group_size).float()
+    x, w = (r - r.mean(1, keepdim=True)).view(-1), lengths.float()
+    n = w.sum()
+    mean = (x * w).sum() / (n + 1e-8)
+    var = ((x - mean) ** 2 * w).sum() / (n + 1e-8) * n / (n - 1)
+    return (x - mean) * torch.rsqrt(var + 1e-8)
+
+
 def maxrl_advantages(successes, group_size):
     """MaxRL (Tajwar et al. 2026, arXiv 2602.02710), as prime-rl's max_rl: (s_i - p) / p on the successes s_i
     (0/1) of a group whose success rate p > 0, and 0 for a group with none. A right answer never gets a
@@ -677,10 +678,11 @@ def maxrl_advantages(successes, group_size):
     return torch.where(p > 0, (s - p) / p.clamp(min=1e-12), 0.0).view(-1)
 
 
-ADV_ESTIMATORS = {"grpo": dict(fn=group_advantages, reads="reward"),   # Eq. 9, DAPO's
-                  "dr_grpo": dict(fn=dr_grpo_advantages, reads="reward"),
-                  "rloo": dict(fn=rloo_advantages, reads="reward"),
-                  "maxrl": dict(fn=maxrl_advantages, reads="success")}
+ADV_ESTIMATORS = {"grpo": dict(fn=group_advantages, reads=("reward",)),   # Eq. 9, DAPO's
+                  "dr_grpo": dict(fn=dr_grpo_advantages, reads=("reward",)),
+                  "rloo": dict(fn=rloo_advantages, reads=("reward",)),
+                  "maxrl": dict(fn=maxrl_advantages, reads=("success",)),
+                  "reinforce_pp_baseline": dict(fn=reinforce_pp_baseline_advantages, reads=("reward", "len"))}
 
 
 # -----------------------------------------------------------------------------------------
@@ -716,10 +718,46 @@ def entropy_threshold(entropies, rho):
     return float(np.quantile(entropies.double().numpy(), 1 - rho)) if entropies.numel() else math.inf
 
 
-def selection_threshold(micros, cfg):
-    """--top-entropy-quantile ρ < 1: one threshold over every rank's trained tokens of the mini-batch
-    (π_θold's entropies, all_entropies); None when off."""
-    return entropy_threshold(all_entropies(micros), cfg.top_entropy_quantile) if cfg.top_entropy_quantile < 1 else None
+def select_tokens(mini, micros, cfg, key):
+    """Choices made once over the whole mini-batch (`mini`: every rank's samples) from π_θold, before its first
+    backward, so that they do not depend on how the batch is cut into ranks and micro-batches: the top-ρ entropy
+    tokens (--top-entropy-quantile, into s["selected"]), and Clip-Cov's or KL-Cov's tokens (covariance_picks,
+    into s["picked"]). key: (seed, step, mini-batch), for a random draw every rank makes alike."""
+    if cfg.top_entropy_quantile < 1:
+        threshold = entropy_threshold(all_entropies(micros), cfg.top_entropy_quantile)
+        for s in (s for mb in micros for s in mb):
+            s["selected"] = (s["old_entropy"] >= threshold).float()
+    if OBJECTIVES[cfg.loss].get("picks"):
+        covariance_picks(mini, micros, cfg, key)
+
+
+def covariance_picks(mini, micros, cfg, key):
+    """Clip-Cov's and KL-Cov's tokens (Cui et al. 2025): the covariance (A - mean A)(log π - mean log π) of every
+    trained token of the mini-batch, all ranks', in one order whatever the layout; of them k = max(1, int(ratio x
+    tokens)): KL-Cov's the largest, Clip-Cov's drawn among those in (lb, ub) by a generator seeded from key. verl
+    picks per micro-batch (k of a micro-batch's tokens: more, the smaller the micro-batch), from the current log π,
+    and draws among the tokens PPO's clip left alone; here log π_θold, known for every token before the first
+    backward (in the first mini-batch they are equal), and a picked token the clip binds on has no gradient to cut."""
+    where = {id(s): i for i, s in enumerate(mini)}
+    mine = {where[id(s)]: (s["adv"], s["old_logp"]) for mb in micros for s in mb if not s.get("dummy") and s["trained"]}
+    everyone = dict(sorted(kv for part in all_gather_objects(mine)[0] for kv in part.items()))  # by place in mini
+    lens = [len(logp) for _, logp in everyone.values()]
+    adv = torch.cat([torch.full((n,), float(a), dtype=torch.float64) for (a, _), n in zip(everyone.values(), lens)])
+    logp = torch.cat([logp.double() for _, logp in everyone.values()] or [torch.zeros(0, dtype=torch.float64)])
+    cov = (adv - adv.mean()) * (logp - logp.mean())
+    kl = cfg.loss == "kl_cov"
+    k = max(1, int((cfg.kl_cov_ratio if kl else cfg.clip_cov_ratio) * len(cov)))
+    if kl:
+        chosen = torch.topk(cov, min(k, len(cov))).indices
+    else:
+        candidates = torch.nonzero((cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub)).flatten()
+        draw = torch.Generator().manual_seed(random.Random("-".join(map(str, key))).getrandbits(31))
+        chosen = candidates[torch.randperm(len(candidates), generator=draw)[:k]]
+    flags = torch.zeros(len(cov))
+    flags[chosen] = 1.0
+    picked = dict(zip(everyone, flags.split(lens)))
+    for s in (s for mb in micros for s in mb):
+        s["picked"] = picked.get(where.get(id(s)), torch.zeros(len(s["response_ids"])))
 
 
 def geometric_mean(weight, mask):
@@ -729,12 +767,14 @@ def geometric_mean(weight, mask):
     return torch.exp((torch.log(weight + 1e-10) * mask).sum(-1, keepdim=True) / n)
 
 
-def loss_terms(mb, logp, old, adv, mask, cfg, threshold):
+def loss_terms(mb, logp, old, adv, mask, cfg):
     """What the flags after DAPO add to one micro-batch's loss, read by adjust_token_losses: vLLM's
-    log-probs (DPPO's, and the corrections'), per-token weights (--tis-cap, --off-policy-mask), a token
-    selection (--top-entropy-quantile), π_ref (--kl-coef), and their statistics. None when none is set."""
+    log-probs (DPPO's, and the corrections'), per-token weights (--tis-cap, --off-policy-mask), the tokens
+    select_tokens chose (--top-entropy-quantile's; Clip-Cov's and KL-Cov's, which policy_loss hands the
+    objective), π_ref (--kl-coef), and their statistics. None when none is set."""
     rollout = cfg.tis_cap or cfg.off_policy_mask or cfg.loss.startswith("dppo")
-    if not (rollout or threshold is not None or cfg.kl_coef or cfg.dual_clip):
+    picks = OBJECTIVES[cfg.loss].get("picks")
+    if not (rollout or cfg.top_entropy_quantile < 1 or picks or cfg.kl_coef or cfg.dual_clip):
         return None
     more, factors, device = {"stats": {}}, [], logp.device
     if rollout:
@@ -746,9 +786,11 @@ def loss_terms(mb, logp, old, adv, mask, cfg, threshold):
     for w, stats in factors:
         more["weight"] = more.get("weight", 1.0) * w
         more["stats"].update(stats)
-    if threshold is not None:  # the mini-batch's top-ρ entropy tokens alone (π_θold's entropy)
-        more["select"] = (padded(mb, "old_entropy", device) >= threshold).float()
+    if cfg.top_entropy_quantile < 1:  # the mini-batch's top-ρ entropy tokens alone (π_θold's entropy)
+        more["select"] = padded(mb, "selected", device)
         more["stats"]["entropy/selected_frac"] = (more["select"] * mask).sum() / mask.sum().clamp(min=1)
+    if picks:
+        more["picked"] = padded(mb, "picked", device)
     if cfg.kl_coef:
         more["ref_logp"] = padded(mb, "ref_logp", device)
     return more
@@ -1071,6 +1113,7 @@ def start_engine(cfg, path, device, dummy_weights=False):
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # VLLM_LOGGING_LEVEL=INFO shows the engine's log
     if cfg.tp_size > 1:  # lib/dist.py: the TP group's sockets go where the exit removes them
         own_ipc_dir()
+    threads = os.environ.get("TORCHINDUCTOR_COMPILE_THREADS")
     from vllm import LLM
     kw = {"load_format": "dummy"} if dummy_weights else {}
     if bf16(cfg):  # fp32 logits, as the trainer computes them
@@ -1085,12 +1128,28 @@ def start_engine(cfg, path, device, dummy_weights=False):
                   tensor_parallel_size=cfg.tp_size, distributed_executor_backend="external_launcher",
                   max_model_len=cfg.max_prompt_len + cfg.max_response_len, seed=cfg.seed,
                   logprobs_mode="processed_logprobs",  # log-probs at the sampling temperature
-                  enable_prefix_caching=True, **kw)
+                  # each TP rank schedules on its own (external_launcher): async scheduling composes the next
+                  # batch before the last one ends, on timing that can differ between the ranks of a group; the
+                  # CPU backend forces it off, and the CPU tests run that path
+                  async_scheduling=False, enable_prefix_caching=True, **kw)
     except Exception as e:  # errno 17 (EEXIST): an earlier TP run left its files (lib/dist.py)
         stale = STALE_SHM if "SHMManager failed. errno: 17" in str(e) else ""
         raise DapoError(f"vLLM could not start on model '{path}': {one_line(e, 500)}{stale}")
     unlink_group_shm()  # lib/dist.py: no run leaves vLLM's CPU TP shared memory behind
+    trainer_compile_threads(threads)
     return llm
+
+
+def trainer_compile_threads(before):
+    """`import vllm` sets TORCHINDUCTOR_COMPILE_THREADS=1 for every process that imports it (vllm/env_override.py:
+    debuggers and its workers), so torch would compile the trainer's flex attention on one thread. Once the
+    engine is up (it compiles at start-up), the variable is as it was and inductor decides again."""
+    if before is None:
+        os.environ.pop("TORCHINDUCTOR_COMPILE_THREADS", None)
+    else:
+        os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = before
+    import torch._inductor.config as inductor
+    inductor.compile_threads = inductor.decide_compile_threads()
 
 
 @contextlib.contextmanager
@@ -1332,6 +1391,8 @@ def token_logprobs(hidden, weight, targets, temperature=1.0, chunk=1024):
     a whole (T, V) fp32 logits tensor would take ~12 GB per sequence."""
     from torch.utils.checkpoint import checkpoint
     lps, ents = [], []
+    if weight.dtype != torch.float32 and torch.is_grad_enabled():
+        weight = weight.float()  # once: its gradient then adds up over the chunks in fp32, not in bf16
     step = max(1, chunk // hidden.shape[0])  # `chunk` counts tokens over all B rows
     for s in range(0, hidden.shape[1], step):
         hs, tg = hidden[:, s:s + step], targets[:, s:s + step]
@@ -1348,9 +1409,10 @@ def old_logprobs(run, my_micros):
     """π_θold of each response token, recomputed by the trainer before any update; with --kl-coef
     π_ref too, and with --top-entropy-quantile π_θold's entropy. The first mini-batch's π_θold needs no
     pass of its own: its forward pass in policy_gradient, before the first optimizer step, gives it
-    (old_logp_of), unless its entropies are needed before that. π_ref's pass covers every mini-batch."""
+    (old_logp_of), unless select_tokens needs it (or its entropies) before that. π_ref's pass covers every
+    mini-batch."""
     cfg = run.cfg
-    policy_from = 0 if cfg.top_entropy_quantile < 1 else 1
+    policy_from = 0 if cfg.top_entropy_quantile < 1 or OBJECTIVES[cfg.loss].get("picks") else 1
     with torch.no_grad():
         for m, micros in enumerate(my_micros):
             for mb in micros if m >= policy_from or cfg.kl_coef else []:
@@ -1957,6 +2019,7 @@ def set_up(cfg):
         run.ref = run.model if cfg.lora_rank else load_policy(cfg, original, device, reference=True)
     run.opt = torch.optim.AdamW([p for p in run.model.parameters() if p.requires_grad], lr=cfg.lr,
                                 weight_decay=cfg.weight_decay)  # with --lora-rank, the adapters alone
+    adamw_state_now(run.opt)  # while vLLM is awake, before its first sleep
     run.sampler = Sampler(len(train_rows), cfg.seed, keep=cfg.gen_batch_size)
     run.carried = restore_carried(state.get("carried", []), cfg)  # --carry-surplus's groups
     run.solved = {int(row): n for row, n in state.get("solved", {}).items()}  # --skip-solved's record
@@ -1971,13 +2034,29 @@ def set_up(cfg):
     return run
 
 
+def adamw_state_now(opt):
+    """AdamW's state (its moments, zeros, and a step count of 0) made at once, as torch's Adam._init_group makes
+    it at the first step: on CUDA that step comes after vLLM's first sleep, when blocks the trainer's caching
+    allocator keeps by then could leave vLLM no room to map its pages back at wake-up. A zero-gradient step
+    would make it too, but count a step (AdamW's bias correction reads the count)."""
+    for group in opt.param_groups:
+        on_device = group["fused"] or group["capturable"]  # else torch keeps the count on the CPU
+        for p in group["params"]:
+            if not opt.state[p]:
+                opt.state[p].update(
+                    step=torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu"),
+                    exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
+                    exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
+
+
 def steps_left(run):
-    """The rollout steps left (from the checkpoint's on resume), with a tqdm bar on rank 0; each step's
-    clock (to_trainers and push_weights stamp its phases) and byte count start at 0."""
+    """The rollout steps left (from the checkpoint's on resume), with a tqdm bar on rank 0 at a terminal (in a
+    log file, as under torchrun or a scheduler, the bar's carriage returns would garble the step lines: plain
+    lines there); each step's clock (to_trainers and push_weights stamp its phases) and byte count start at 0."""
     from tqdm import tqdm
-    start = run.state["step"]
-    run.bar = tqdm(range(start, run.cfg.steps), desc="DAPO", disable=rank() != 0, dynamic_ncols=True,
-                   initial=start, total=run.cfg.steps)
+    start, terminal = run.state["step"], sys.stdout.isatty() and sys.stderr.isatty()
+    run.bar = tqdm(range(start, run.cfg.steps), desc="DAPO", disable=rank() != 0 or not terminal,
+                   dynamic_ncols=True, initial=start, total=run.cfg.steps)
     interrupt.STATE["bar"] = run.bar  # for the Ctrl-C message (lib/interrupt.py)
     for step in run.bar:
         interrupt.STATE["step"] = run.step = step + 1
@@ -2002,6 +2081,7 @@ def log_step(run, step, m, generated, samples, evals):
               "len/mean": sum(lens) / len(lens), "len/max": max(lens),
               "len/truncated_frac": sum(s["truncated"] for s in every) / len(every),
               "gen/responses": len(every),
+              # an estimate of π_rollout's entropy from its samples: the mean -log p of every sampled token
               "entropy/generated": m.pop("gen/nll") / max(1, m.pop("gen/tokens")),
               "gen/distinct_frac": m.pop("gen/distinct") / len(every),
               "time/update": sync - update, "time/sync": end - sync, "time/step": end - start,

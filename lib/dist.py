@@ -46,17 +46,23 @@ def init_distributed(timeout_min=180.0):
             port = s.getsockname()[1]
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port))
-    backend = "gloo"
+    backend, device = "gloo", None
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
         backend = "cpu:gloo,cuda:nccl"
-    torch.distributed.init_process_group(backend, timeout=timedelta(minutes=timeout_min))
+    # device_id forms this group's NCCL communicator now, before vLLM starts: --deterministic's batch-invariant
+    # mode pins NCCL to one channel and the Simple protocol for every communicator formed after its engine starts
+    # (vLLM's batch_invariant.py), which would slow FSDP's gathers; lazily, ours would be formed after it
+    torch.distributed.init_process_group(backend, timeout=timedelta(minutes=timeout_min), device_id=device)
     return compute_device()
 
 
 def all_gather_objects(obj):
     """Every rank's obj, and the bytes this rank received (each pickle is padded to the largest)."""
     import pickle
+    if not torch.distributed.is_initialized():  # one process, no group (the tests of the maths)
+        return [obj], 0
     out = [None] * world()
     torch.distributed.all_gather_object(out, obj)
     return out, (world() - 1) * (max(len(pickle.dumps(o)) for o in out) + 8)

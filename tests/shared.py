@@ -193,9 +193,8 @@ def _gradient(model_dir, device, micro_batch_size, micro_batch_tokens=0, grad_ch
         c = dataclasses.replace(cfg, **knob)
         model.zero_grad(set_to_none=True)
         minis, plan = dapo.micro_batches(samples, c)
-        rho = c.top_entropy_quantile   # the threshold over the whole mini-batch, every rank's tokens
-        threshold = dapo.entropy_threshold(dapo.all_entropies(plan[0]), rho) if rho < 1 else None
-        dapo.policy_gradient(_pg_run(model, c, device), minis[0], plan[0], threshold)
+        dapo.select_tokens(minis[0], plan[0], c, (0, 0, 0))   # over the whole mini-batch, every rank's tokens
+        dapo.policy_gradient(_pg_run(model, c, device), minis[0], plan[0])
         out[name] = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
                      for n, p in model.named_parameters() if p.grad is not None}
     seen = dapo.all_gather_objects(sorted(layouts))[0]

@@ -84,17 +84,20 @@ def test_resume_with_another_group_size_drops_the_carried_groups_of_the_old(caps
 
 def test_dppo_truncates_its_ratio_at_c_against_the_rollout_policy():
     """DPPO as its authors' code computes it (Stable-RL's dppo_binary_tv): the weight is π_θ / π_rollout,
-    truncated at c (--dppo-ratio-cap, the authors' 10), and the trust region is centred on π_rollout
-    (--dppo-anchor rollout), or on π_θold (recompute, their *_recompute variants). A token going from
-    p = 0.001 to 0.05 with A < 0 is inside the TV region: its gradient is c = 10, not the untruncated 50."""
+    truncated at c (--dppo-ratio-cap; default the authors' runs' 1e4, in effect none), and the trust region is
+    centred on π_rollout (--dppo-anchor rollout), or on π_θold (recompute, their *_recompute variants). A token
+    going from p = 0.001 to 0.05 with A < 0 is inside the TV region: its gradient is the ratio, 50, and c = 10
+    truncates it to 10."""
     logp = torch.tensor([[math.log(0.05)]], dtype=torch.float64, requires_grad=True)
     old = torch.full((1, 1), math.log(0.001), dtype=torch.float64)
     adv, mask = torch.tensor([-1.0], dtype=torch.float64), torch.ones(1, 1)
     cfg = dapo.Config(loss="dppo_tv", **dapo.OBJECTIVES["dppo_tv"]["preset"])
-    assert cfg.dppo_ratio_cap == 10.0 and cfg.dppo_anchor == "rollout"
-    loss, _ = dapo.policy_loss(logp, old, adv, mask, cfg)
-    loss.backward()
-    assert logp.grad.item() == pytest.approx(10.0)                    # -A min(50, 10)
+    assert cfg.dppo_ratio_cap == 1e4 and cfg.dppo_anchor == "rollout"
+    for c, want in ((1e4, 50.0), (10.0, 10.0)):                       # -A min(50, c)
+        lp = logp.detach().clone().requires_grad_()
+        loss, _ = dapo.policy_loss(lp, old, adv, mask, dataclasses.replace(cfg, dppo_ratio_cap=c))
+        loss.backward()
+        assert lp.grad.item() == pytest.approx(want), c
     # the rollout's log-probs, where they differ from π_θold's: the ratio is π_θ / π_rollout either way, the
     # region's centre follows --dppo-anchor. π_θ = 0.6, π_θold = 0.5, π_rollout = 0.4, A > 0: +0.2 from the
     # rollout is beyond ε 0.15; +0.1 from π_θold is inside, with the weight 0.6 / 0.4 = 1.5
@@ -107,6 +110,25 @@ def test_dppo_truncates_its_ratio_at_c_against_the_rollout_policy():
         loss.backward()
         assert lp.grad.item() == pytest.approx(want), anchor
         assert st["clip/high_frac"].item() == (want == 0.0)
+
+
+def test_dppo_counts_the_rollout_correction_once_and_refuses_tis_cap():
+    """DPPO's weight min(π_θ / π_rollout, c) is itself the rollout correction. One token with π_θ = π_θold = 0.5,
+    π_rollout = 0.4, A = +1: d loss / d log π = -1.25, as in Stable-RL and in verl (dppo_tv's π_θ / π_θold times
+    its rollout weight π_θold / π_rollout). --tis-cap would multiply π_θold / π_rollout in again (-1.5625): the
+    pair is refused in one line, as are --tis-mode and --tis-min."""
+    half, rollout = (torch.tensor([[math.log(x)]], dtype=torch.float64) for x in (0.5, 0.4))
+    for loss_name in ("dppo_tv", "dppo_kl"):
+        cfg = dapo.Config(loss=loss_name, **dapo.OBJECTIVES[loss_name]["preset"])
+        lp = half.clone().requires_grad_()
+        loss, _ = dapo.policy_loss(lp, half, torch.tensor([1.0], dtype=torch.float64), torch.ones(1, 1), cfg,
+                                   more={"rollout_logp": rollout})
+        loss.backward()
+        assert lp.grad.item() == pytest.approx(-1.25), loss_name
+        for flags in (["--tis-cap", "2"], ["--tis-mode", "sequence_mask"]):
+            with pytest.raises(dapo.DapoError) as e:
+                dapo.check_config(dapo.parse_config(["--loss", loss_name, *flags]))
+            assert f"{flags[0]} " in str(e.value) and f"--loss {loss_name}" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_gmpo_takes_the_geometric_mean_of_per_token_weights_and_a_selection_holds():
@@ -279,36 +301,76 @@ def test_gmpo_takes_the_geometric_mean_of_log_space_clipped_ratios():
         assert (stats["clip/high_frac"] if a > 0 else stats["clip/low_frac"]).item() == pytest.approx(1 / 3)
 
 
+def _cov_mini(adv, logps):
+    """A mini-batch for covariance_picks: samples with A and π_θold's log-probs, every token trained."""
+    return [{"adv": a, "old_logp": torch.tensor(lp, dtype=torch.float64), "trained": True, "response_ids": [0] * len(lp)}
+            for a, lp in zip(adv, logps)]
+
+
 def test_clip_cov_cuts_the_gradient_of_a_high_covariance_token_ppo_left_alone():
-    """Clip-Cov (verl's clip_cov, its presets: ratio 2e-4, bounds (1, 5), PPO's symmetric clip 0.2): over one
-    micro-batch, the covariance (A - mean A)(log π - mean log π) of each trained token; the gradient is cut on
-    max(1, int(2e-4 n)) = 1 token drawn among those in (1, 5) that PPO's clip left alone. Here exactly one
-    token qualifies, (A - 0) (log π - mean) = 1 x 2 = 2, so it is the one cut; the others keep PPO's gradient."""
+    """Clip-Cov (the authors' scripts: share 2e-4, bounds (1, 5), PPO's clip widened to [0, 2]): over the whole
+    mini-batch, the covariance (A - mean A)(log π_θold - mean log π_θold) of each trained token; the gradient
+    is cut on max(1, int(2e-4 n)) = 1 token drawn among those in (1, 5). Here exactly one token qualifies, (A - 0)
+    (log π - 0) = 1 x 2 = 2, so it is the one cut; the others keep PPO's gradient (-A r / 4)."""
     cfg = dapo.parse_config(["--loss", "clip_cov"])
-    assert (cfg.eps_low, cfg.eps_high, cfg.clip_cov_ratio, cfg.clip_cov_lb, cfg.clip_cov_ub) == (0.2, 0.2, 2e-4, 1.0, 5.0)
-    logp = torch.tensor([[2.0, 0.0], [-1.0, -1.0]], dtype=torch.float64, requires_grad=True)  # mean log π 0
+    assert (cfg.eps_low, cfg.eps_high, cfg.clip_cov_ratio, cfg.clip_cov_lb, cfg.clip_cov_ub) == (1.0, 1.0, 2e-4, 1.0, 5.0)
+    mini = _cov_mini([1.0, -1.0], [[2.0, 0.0], [-1.0, -1.0]])   # mean A 0, mean log π 0: covariances 2, 0; 1, 1
+    dapo.select_tokens(mini, [mini], cfg, (0, 0, 0))
+    picked = torch.stack([s["picked"] for s in mini])
+    assert picked.tolist() == [[1.0, 0.0], [0.0, 0.0]]
+    logp = torch.tensor([[2.0, 0.0], [-1.0, -1.0]], dtype=torch.float64, requires_grad=True)
     adv, mask = torch.tensor([1.0, -1.0], dtype=torch.float64), torch.ones(2, 2)
-    cov = torch.tensor([[2.0, 0.0], [1.0, 1.0]])   # A - 0 = ±1 times log π - 0: tokens (1, 0), (1, 1) at 1: not > 1
-    loss, stats = dapo.policy_loss(logp, logp.detach(), adv, mask, cfg)
+    loss, stats = dapo.policy_loss(logp, logp.detach(), adv, mask, cfg, None, {"picked": picked})
     loss.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -0.25], [0.25, 0.25]], dtype=torch.float64))
-    assert stats["cov/cut_frac"].item() == pytest.approx(1 / 4) and cov.max() == 2.0
+    assert stats["cov/cut_frac"].item() == pytest.approx(1 / 4)
 
 
 def test_kl_cov_penalises_the_top_covariance_token_with_the_absolute_log_ratio():
-    """KL-Cov (verl's kl_cov, its presets: ratio 2e-4, coefficient 0.1): the unclipped -A r on every token,
-    plus 0.1 |log r| on the max(1, int(2e-4 n)) = 1 token of largest covariance. At r = e^0.5 on every token of
-    [A = +1: log π 2, 0; A = -1: log π -1, -1] the top covariance is token (0, 0): its gradient is
-    -(r - 0.1) / 4, the others' -A r / 4. No clip binds."""
+    """KL-Cov (the authors' scripts: coefficient 1; share 2e-4 at 32B): the unclipped -A r on every token, plus
+    1 x |log r| on the max(1, int(2e-4 n)) = 1 token of the mini-batch's largest covariance. At r = e^0.5 on every
+    token of [A = +1: log π_θold 2, 0; A = -1: log π_θold -1, -1] the top covariance is token (0, 0): its gradient
+    is -(r - 1) / 4, the others' -A r / 4. No clip binds."""
     cfg = dapo.parse_config(["--loss", "kl_cov"])
-    logp = torch.tensor([[2.0, 0.0], [-1.0, -1.0]], dtype=torch.float64, requires_grad=True)
-    old = logp.detach() - 0.5
+    assert (cfg.kl_cov_ratio, cfg.kl_cov_coef) == (2e-4, 1.0)
+    mini = _cov_mini([1.0, -1.0], [[2.0, 0.0], [-1.0, -1.0]])
+    dapo.select_tokens(mini, [mini], cfg, (0, 0, 0))
+    picked = torch.stack([s["picked"] for s in mini])
+    assert picked.tolist() == [[1.0, 0.0], [0.0, 0.0]]
+    old = torch.tensor([[2.0, 0.0], [-1.0, -1.0]], dtype=torch.float64)
+    logp = (old + 0.5).requires_grad_()
     adv, mask, r = torch.tensor([1.0, -1.0], dtype=torch.float64), torch.ones(2, 2), math.exp(0.5)
-    loss, stats = dapo.policy_loss(logp, old, adv, mask, cfg)
+    loss, stats = dapo.policy_loss(logp, old, adv, mask, cfg, None, {"picked": picked})
     loss.backward()
-    torch.testing.assert_close(logp.grad, torch.tensor([[-(r - 0.1) / 4, -r / 4], [r / 4, r / 4]], dtype=torch.float64))
-    assert loss.item() == pytest.approx((-2 * r + 2 * r + 0.1 * 0.5) / 4)
+    torch.testing.assert_close(logp.grad, torch.tensor([[-(r - 1) / 4, -r / 4], [r / 4, r / 4]], dtype=torch.float64))
+    assert loss.item() == pytest.approx((-2 * r + 2 * r + 0.5) / 4)
     assert stats["cov/penalised_frac"].item() == pytest.approx(1 / 4) and stats["clip/high_frac"].item() == 0
+
+
+def test_clip_cov_and_kl_cov_pick_their_share_of_the_whole_mini_batch_whatever_its_micro_batches():
+    """Clip-Cov and KL-Cov choose their tokens once per mini-batch (select_tokens, from π_θold), not per
+    micro-batch as verl's: 180 trained tokens at a share of 1/90 pick int(180 / 90) = 2 tokens, in one
+    micro-batch or three (per micro-batch it would be 3 x max(1, int(60 / 90)) = 3), the same ones, and the
+    draw repeats for the same key (a resume) and changes with the step. A sample masked by overlong filtering
+    is never picked."""
+    g = torch.Generator().manual_seed(0)
+    adv = torch.randn(12, generator=g).tolist()
+    logps = [(torch.randn(15, generator=g) - 2).tolist() for _ in range(12)]
+    for loss in ("kl_cov", "clip_cov"):
+        cfg = dataclasses.replace(dapo.parse_config(["--loss", loss]), kl_cov_ratio=1 / 90, clip_cov_ratio=1 / 90,
+                                  clip_cov_lb=-1e9, clip_cov_ub=1e9)
+        picks = []
+        for cut in (1, 3):
+            mini = _cov_mini(adv, logps)
+            mini.append({**mini[0], "trained": False})   # overlong-filtered: never picked, not counted
+            micros = [mini[i::cut] for i in range(cut)]
+            dapo.select_tokens(mini, micros, cfg, (0, 5, 1))
+            picks.append(torch.stack([s["picked"] for s in mini]))
+        assert picks[0].sum() == 2 and torch.equal(picks[0], picks[1]) and picks[0][-1].sum() == 0, loss
+        mini = _cov_mini(adv, logps)
+        dapo.select_tokens(mini, [mini], cfg, (0, 6, 1))   # another step: another draw (Clip-Cov's)
+        if loss == "clip_cov":
+            assert not torch.equal(torch.stack([s["picked"] for s in mini]), picks[0][:-1])
 
 
 def test_maxrl_on_the_successes_never_gives_a_right_answer_a_negative_advantage():

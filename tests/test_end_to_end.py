@@ -46,7 +46,7 @@ def test_end_to_end_single_process(straight_run):
     record holding the values actually used (the demo preset's, the flags given)."""
     out_dir, out = straight_run
     assert out.returncode == 0, out.stderr[-4000:]
-    _check_run(str(out_dir), out.stdout, steps=4)
+    _check_run(str(out_dir), out.stdout, steps=4, stderr=out.stderr)
     assert [json.loads(x)["lr"] for x in open(out_dir / "metrics.jsonl")] == [2.5e-4, 5e-4, 5e-4, 5e-4]
     used = json.load(open(out_dir / "run.json"))["config"]
     assert used["warmup_steps"] == 2 and used["group_size"] == dapo.DEMO["group_size"] and used["loss"] == "dapo"
@@ -157,7 +157,7 @@ def test_end_to_end_torchrun_2_ranks(tmp_path):
     out = _torchrun(2, "dapo.py", *E2E_ARGS, "--steps", "4", "--micro-batch-tokens", "56", *carry,
                     "--out-dir", str(tmp_path), timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
-    _check_run(str(tmp_path), out.stdout, steps=4)
+    _check_run(str(tmp_path), out.stdout, steps=4, stderr=out.stderr)
     padding = [json.loads(line)["update/padding_micro_batches"] for line in open(tmp_path / "metrics.jsonl")]
     print(f"padding micro-batches per step (both ranks): {padding}")
     assert sum(padding) > 0
@@ -198,7 +198,7 @@ def test_end_to_end_torchrun_tensor_parallel_2(tmp_path):
     finally:
         shutil.rmtree(own_tmp, ignore_errors=True)
     assert out.returncode == 0, out.stderr[-4000:]
-    _check_run(str(tmp_path), out.stdout, steps=2)
+    _check_run(str(tmp_path), out.stdout, steps=2, stderr=out.stderr)
     assert "leaked" not in out.stderr and "Exception ignored" not in out.stderr, out.stderr[-4000:]
     assert not shm() - before, shm() - before
     assert not left, left
@@ -207,7 +207,7 @@ def test_end_to_end_torchrun_tensor_parallel_2(tmp_path):
 # -----------------------------------------------------------------------------------------
 # Helpers
 
-def _check_run(out_dir, stdout, steps=3):
+def _check_run(out_dir, stdout, steps=3, stderr=None):
     from safetensors.torch import load_file
     rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
@@ -234,6 +234,8 @@ def _check_run(out_dir, stdout, steps=3):
           f"log-probs moved up to {change:.2e}")
     assert max(sync) < 1e-4
     assert moved > 1e-3 and change > 1e-2
+    # a log file, not a terminal: one plain line a step, no progress bar's carriage returns
+    assert len(re.findall(r"^step +\d+  acc ", stdout, re.M)) == steps and "\r" not in stdout + (stderr or "")
     last = stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"held-out accuracy: before \d\.\d\d -> after \d\.\d\d", last), last
     # the evaluations before and after are in metrics.jsonl too, one object per step: "before" in the first row

