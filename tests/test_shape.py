@@ -71,7 +71,7 @@ def test_dapo_py_reads_as_the_algorithm_first():
         assert node.value.keys[0].value == first, f"{name} names DAPO's own entry first ({first!r})"
     later = {k.value for k in tables["OBJECTIVES"].value.keys + tables["ADV_ESTIMATORS"].value.keys} - {"dapo", "grpo"}
     part2_defs = {n for n, d in defs.items() if part1 < d.lineno <= part2}
-    hooks = {"adjust_token_losses", "after_rollout", "loss_terms", "selection_threshold"}
+    hooks = {"adjust_token_losses", "after_rollout", "loss_terms", "select_tokens"}
     for n in body:
         if n.lineno > part1 or isinstance(n, ast.ClassDef):  # Config's fields name flags, not functions
             continue
