@@ -138,9 +138,12 @@ def test_presets_are_visible_and_a_flag_given_wins(tmp_path):
 
 def test_a_choice_flag_is_checked_from_its_table(monkeypatch):
     """Every choice flag is checked against its table in dapo.py (CHOICES): a new entry, e.g. an advantage
-    estimator, is accepted with no change in lib/, and a name no table holds is refused."""
+    estimator, is accepted with no change in lib/ or here, and a name no table holds is refused, the message
+    listing the table's names."""
     cfg = dapo.Config(adv_estimator="forked")
-    with pytest.raises(dapo.DapoError, match="--adv-estimator must be one of grpo, dr_grpo, rloo, maxrl, not 'forked'"):
+    names = ", ".join(dapo.ADV_ESTIMATORS)
+    assert names.startswith("grpo, ")                                   # DAPO's Eq. 9 first
+    with pytest.raises(dapo.DapoError, match=re.escape(f"--adv-estimator must be one of {names}, not 'forked'")):
         dapo.check_config(cfg)
     monkeypatch.setitem(dapo.ADV_ESTIMATORS, "forked", "a fork's estimator")
     dapo.check_config(cfg)
@@ -154,7 +157,7 @@ def test_a_choice_flag_is_checked_from_its_table(monkeypatch):
     (["--overlong-cache-len", "8", "--max-response-len", "8"], "--overlong-cache-len must lie between 0 and"),
     (["--task", "mult"], "--task must be one of add, carry, not 'mult'"),
     (["--loss", "ppo"], f"--loss must be one of {', '.join(dapo.OBJECTIVES)}, not 'ppo'"),
-    (["--adv-estimator", "ppo"], "--adv-estimator must be one of grpo, dr_grpo, rloo, maxrl, not 'ppo'"),
+    (["--adv-estimator", "ppo"], f"--adv-estimator must be one of {', '.join(dapo.ADV_ESTIMATORS)}, not 'ppo'"),
     (["--attn-impl", "flash"], "--attn-impl must be one of '', flex_attention, flash_attention_2, sdpa, not 'flash'"),
     (["--save-dtype", "float16"], "--save-dtype must be one of '', bfloat16, float32, not 'float16'"),
     (["--temperature", "3"], "--temperature must lie in [0.01, 2] (got 3.0)"),
