@@ -160,8 +160,8 @@ def test_a_choice_flag_is_checked_from_its_table(monkeypatch):
     (["--adv-estimator", "ppo"], f"--adv-estimator must be one of {', '.join(dapo.ADV_ESTIMATORS)}, not 'ppo'"),
     (["--attn-impl", "flash"], "--attn-impl must be one of '', flex_attention, flash_attention_2, sdpa, not 'flash'"),
     (["--save-dtype", "float16"], "--save-dtype must be one of '', bfloat16, float32, not 'float16'"),
-    (["--temperature", "3"], "--temperature must lie in [0.01, 2] (got 3.0)"),
-    (["--eval-temperature", "0.001"], "--eval-temperature must lie in [0.01, 2] (got 0.001)"),
+    (["--temperature", "3"], "--temperature must lie in [0.01, 2] (vLLM's range) (got 3.0)"),
+    (["--eval-temperature", "0.001"], "--eval-temperature must lie in [0.01, 2] (vLLM's range) (got 0.001)"),
     (["--dppo-anchor", "rollout", "--dppo-ratio-cap", "3"], "--dppo-ratio-cap 3.0 has no effect under --loss dapo: "
                                                             "drop it, or pass --loss dppo_tv"),
     (["--loss", "dppo_kl", "--dppo-anchor", "old"], "--dppo-anchor must be one of rollout, recompute, not 'old'"),
@@ -187,7 +187,13 @@ def test_a_choice_flag_is_checked_from_its_table(monkeypatch):
     (["--tis-cap", "2", "--tis-min", "2"], "--tis-min 2.0 must lie below --tis-cap 2.0"),
     (["--tis-min", "0.5"], "--tis-min 0.5 needs --tis-cap: 0 turns rollout correction off"),
     (["--lora-rank", "-1"], "--lora-rank must be >= 0 (got -1)"),
-    (["--lora-alpha", "nan"], "--lora-alpha must be positive (got nan)"),
+    (["--lora-alpha", "nan"], "--lora-alpha must be a finite number > 0 (got nan)"),
+    (["--loss", "kl_cov", "--kl-cov-coef", "inf"], "--kl-cov-coef must be a finite number > 0 (got inf)"),
+    (["--loss", "clip_cov", "--clip-cov-ub", "inf"], "--clip-cov-ub must be a finite number > 0 (got inf)"),
+    (["--loss", "dppo_tv", "--dppo-ratio-cap", "inf"], "--dppo-ratio-cap must be a finite number > 0 (for no "
+                                                       "truncation give a large finite c, e.g. 1e4 as in verl's "
+                                                       "DPPO example) (got inf)"),
+    (["--kl-coef", "inf"], "--kl-coef must be a finite number >= 0 (got inf)"),
     (["--tis-mode", "seq"], "--tis-mode must be one of token_truncate, token_mask, sequence_truncate, sequence_mask, not 'seq'"),
 ])
 def test_config_rules_each_refuse_in_one_line(flags, message):
