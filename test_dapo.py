@@ -312,10 +312,10 @@ def test_sec41_warmup_rises_linearly_over_rollout_steps_from_lr_over_warmup():
 # Algorithm 1: the loop
 
 def test_algorithm1_train_makes_its_calls_in_the_papers_order():
-    """train() is Algorithm 1 and nothing else: in one rollout step it samples and filters (lines 2-7,
-    collect_batch), shapes the rewards (Eq. 13), computes the advantages (line 8, Eq. 9), filters the overlong
-    samples (Sec. 3.4), runs the μ updates (lines 9-10), pushes the weights into vLLM (line 3 of the next
-    step), evaluates, logs and saves, in that order; the loop calls nothing else but the hook after DAPO
+    """train() is Algorithm 1 and nothing else: in one rollout step it samples, rewards and filters (lines 2 and
+    4-8, collect_batch), shapes the rewards (Eq. 13), computes the advantages (line 9, Eq. 9), filters the
+    overlong samples (Sec. 3.4), runs the μ updates (lines 10-11), pushes the weights into vLLM (line 3 of the
+    next step), evaluates, logs and saves, in that order; the loop calls nothing else but the hook after DAPO
     (Part 2) and the sample exchange (Part 3)."""
     import ast
     tree = next(n for n in ast.parse(open(os.path.join(HERE, "dapo.py")).read()).body
@@ -328,6 +328,90 @@ def test_algorithm1_train_makes_its_calls_in_the_papers_order():
     order = sorted(paper, key=lambda c: min(i for i, x in enumerate(calls) if x == c))
     assert order == paper, calls
     assert set(calls) == set(paper) | {"steps_left", "sample_groups", "after_rollout", "to_trainers"}, calls
+
+
+# The paper's Algorithm 1, line by line: what the line says, and the function of dapo.py that does it
+ALGORITHM_1 = {
+    1: ("for step = 1, ..., M", "steps_left"),
+    2: ("sample a batch D_b from D", "sample_groups"),   # the prompts collect_batch hands to draw()
+    3: ("update the old policy model π_θold <- π_θ", "push_weights"),
+    4: ("sample G outputs {o_i} ~ π_θold(.|q) for each q in D_b", "sample_groups"),
+    5: ("compute rewards {r_i} for each o_i by running R", "sample_groups"),
+    6: ("filter out o_i, add the rest to the dynamic sampling buffer (Eq. 11)", "collect_batch"),
+    7: ("if buffer size n_b < N:", "collect_batch"),
+    8: ("continue", "collect_batch"),
+    9: ("for each o_i in the buffer, compute Â_{i,t} (Eq. 9)", "set_advantages"),
+    10: ("for iteration = 1, ..., μ", "update_policy"),
+    11: ("update π_θ by maximising the DAPO objective (Eq. 8)", "update_policy"),
+}
+
+
+def _line_numbers(text):
+    """"2, 4, 5" -> {2, 4, 5}; "6-8" -> {6, 7, 8}; "2 and 4-8" -> {2, 4, 5, 6, 7, 8}."""
+    out = set()
+    for part in text.replace(" and ", ",").split(","):
+        a, _, b = part.strip().partition("-")
+        out |= set(range(int(a), int(b or a) + 1))
+    return out
+
+
+def test_algorithm1_line_numbers_are_the_papers():
+    """Algorithm 1's line numbers in dapo.py, against the paper's (ALGORITHM_1). In train(), a comment that opens
+    with line numbers and a colon ("# 6-8: ...", "# 3, for the next step: ...") labels its statement (the one it
+    ends, or for a comment on a line of its own the next), and names exactly the lines done by the functions that
+    statement calls (a loop's header, a def's body); together they name each line once. A docstring that says
+    "Algorithm 1, lines 2, 4-8" (or "line 3") claims exactly the lines its function does, with those of the
+    function train() hands it (collect_batch runs draw, which runs sample_groups)."""
+    import ast
+    import io
+    import re
+    import tokenize
+    src = open(os.path.join(HERE, "dapo.py")).read()
+    tree = ast.parse(src)
+    train = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train")
+    stmts = [n for n in ast.walk(train) if isinstance(n, ast.stmt) and n is not train]
+    defs = {n.name: n for n in stmts if isinstance(n, ast.FunctionDef)}   # draw
+
+    def does(node):  # the paper's lines done by the functions a statement calls
+        parts = [node.iter] if isinstance(node, ast.For) else node.body if isinstance(node, ast.FunctionDef) else [node]
+        names = {c.func.id if isinstance(c.func, ast.Name) else c.func.attr for p in parts for c in ast.walk(p)
+                 if isinstance(c, ast.Call) and isinstance(c.func, (ast.Name, ast.Attribute))}
+        return {line for line, (_, fn) in ALGORITHM_1.items() if fn in names}
+
+    wrong, named = [], []
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        row = tok.start[0]
+        if tok.type != tokenize.COMMENT or not train.lineno <= row <= train.end_lineno:
+            continue
+        m = re.match(r"#\s*(\d+(?:\s*[-,]\s*\d+)*)(?:,[^:]*)?:", tok.string)
+        if not m:
+            if re.match(r"#\s*\d", tok.string):
+                wrong.append(f"dapo.py:{row} opens with a number: give Algorithm 1's lines as '# 6-8: ...'")
+            continue
+        if tok.line[:tok.start[1]].strip():   # at the end of a line: the innermost statement there
+            stmt = max((n for n in stmts if n.lineno <= row <= n.end_lineno), key=lambda n: n.lineno)
+        else:                                 # on a line of its own: the statement below it
+            stmt = min((n for n in stmts if n.lineno > row), key=lambda n: (n.lineno, -n.end_lineno))
+        says = _line_numbers(m.group(1))
+        named += sorted(says)
+        if says != does(stmt):
+            wrong.append(f"dapo.py:{row} says lines {sorted(says)}; its statement (line {stmt.lineno}) does "
+                         f"{sorted(does(stmt))}: {tok.string}")
+    if sorted(named) != sorted(ALGORITHM_1):
+        wrong.append(f"train()'s comments name lines {sorted(named)}: name each of 1-{len(ALGORITHM_1)} once")
+    handed = {c.func.id: [defs[a.id] for a in c.args if isinstance(a, ast.Name) and a.id in defs]
+              for c in ast.walk(train) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
+    claimed = set()
+    for fn in (n for n in tree.body if isinstance(n, ast.FunctionDef)):
+        doc = ast.get_docstring(fn) or ""
+        for m in re.finditer(r"Algorithm 1\b[^.]*?\blines?\s+(\d+(?:\s*(?:-|,|\band\b)\s*\d+)*)", doc):
+            claimed.add(fn.name)
+            lines = {line for line, (_, f) in ALGORITHM_1.items() if f == fn.name}
+            lines |= {line for d in handed.get(fn.name, []) for line in does(d)}
+            if _line_numbers(m.group(1)) != lines:
+                wrong.append(f"{fn.name}'s docstring says Algorithm 1's lines {m.group(1)}; it does {sorted(lines)}")
+    assert not wrong, "\n".join(wrong)
+    assert claimed >= {"collect_batch", "update_policy", "push_weights"}, claimed
 
 
 # =========================================================================================
