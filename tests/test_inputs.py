@@ -16,7 +16,7 @@ import torch
 import reward
 from lib import demo_model, interrupt
 import dapo
-from tests.shared import E2E_ARGS, HERE, _run
+from tests.shared import E2E_ARGS, HERE, _run, _stub_sample_fn
 
 
 def _numeric_fields():
@@ -497,6 +497,39 @@ def test_resume_refuses_a_changed_config(capsys):
     assert capsys.readouterr().out == "resume: --lr 1e-06 -> 2e-06: from here the run differs from a straight one\n"
     with pytest.raises(dapo.DapoError, match=r"--model 'a' -> 'b'; these change what is trained: start a new run"):
         dapo.check_resume(saved, dapo.Config(model="b", lr=2e-6))
+
+
+def test_dynamic_sampling_that_cannot_fill_the_batch_is_one_line_naming_the_counts_and_fixes():
+    """Eq. 11's dynamic sampling out of generation batches: the error, in one line, names the counts in the
+    reward's terms and the fixes. With nothing kept it stops after the first batch (at twice a keep rate of 0
+    the batches left could never fill it) and does not advise more generation batches. A graded reward's
+    uniform groups are counted by their value, not as all wrong; where most responses failed in the reward,
+    that is named first."""
+    cfg = dapo.Config(prompts_per_step=8, group_size=4, gen_batch_size=6, max_gen_batches=3)
+    fn, calls = _stub_sample_fn(4)   # a third of the groups are mixed: 5 of 8 kept after 3 batches
+    with pytest.raises(dapo.DapoError, match=r"kept only 5 of 8 groups after 3 generation batches \(18 groups: "
+                                             r"7 all scored \+1, 6 all scored -1, 5 with rewards that differ; "
+                                             r"accuracy 52.8%\)\. The data") as e:
+        dapo.collect_batch(fn, dapo.Sampler(300, seed=0), cfg)
+    assert "group size" in str(e.value) and "--no-dynamic-sampling" in str(e.value) and "--max-gen-batches" in str(e.value)
+    assert "\n" not in str(e.value)
+    assert len(calls) == 3
+    fn, calls = _stub_sample_fn(4, uniform=lambda i: True)
+    many = dataclasses.replace(cfg, max_gen_batches=20)
+    with pytest.raises(dapo.DapoError, match=r"kept only 0 of 8 groups after 1 generation batch \(6 groups: .*"
+                                             r"0 with rewards that differ; accuracy 50.0%\); no group's rewards "
+                                             r"differed, so more generation batches would not fill it") as e:
+        dapo.collect_batch(fn, dapo.Sampler(300, seed=0), many)
+    assert "easier data" in str(e.value) and "--no-dynamic-sampling" in str(e.value) and len(calls) == 1
+    assert "\n" not in str(e.value)
+    assert "--max-gen-batches" not in str(e.value) and "--gen-batch-size" not in str(e.value)
+    graded = [[{"score": 0.2, "success": False}] * 4] * 5 + [[{"score": -1.0, "success": False}] * 4] * 2
+    said = str(dapo.too_few_groups(0, graded, 1, cfg))
+    assert "(7 groups: 5 all scored +0.2, 2 all scored -1, 0 with rewards that differ; accuracy 0.0%)" in said
+    failing = [[{"score": -1.0, "success": False, "failed": True}] * 4] * 5 + graded[:1]
+    said = str(dapo.too_few_groups(0, failing, 1, cfg))
+    assert said.startswith("20 of the 24 responses failed in the reward (reward/errors, reward/timeouts; its first "
+                           "error is printed above): fix the reward first. dynamic sampling kept only 0"), said
 
 
 def test_every_flag_a_mid_run_error_advises_is_taken_by_resume(capsys, monkeypatch):
