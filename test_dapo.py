@@ -1,8 +1,8 @@
 """Tests of dapo.py against the DAPO paper (arXiv 2503.14476), in its order: Eq. 7 (the reward), Eq. 8 (J_DAPO),
-Eq. 9 (the group advantage), Eq. 10 (Clip-Higher), Eq. 11 (dynamic sampling), Eq. 12 (the token-level loss),
-Eq. 13 (the soft overlong punishment), Sec. 3.4 (overlong filtering), Sec. 4.1's warm-up, Algorithm 1, and the
-evaluation (avg@k, pass@k). Hand values throughout; each runs in milliseconds (`pytest test_dapo.py`). Everything
-else, by topic, is in tests/ (`pytest` from the root runs both)."""
+Eq. 9 (the group advantage and the ratio), Eq. 10 (Clip-Higher), Eq. 11 (dynamic sampling), Eq. 12 (the token-level
+loss), Sec. 3.4 (overlong filtering), Eq. 13 (the soft overlong punishment), Sec. 4.1's warm-up, Algorithm 1, and
+the evaluation (avg@k, pass@k). Hand values throughout; each runs in milliseconds (`pytest test_dapo.py`).
+Everything else, by topic, is in tests/ (`pytest` from the root runs both)."""
 import dataclasses
 import math
 import os
@@ -11,7 +11,7 @@ import pytest
 import torch
 from reward import compute_score, is_correct
 import dapo
-from tests.shared import HERE, _loss, _loss_at, _stub_sample_fn, _stubs
+from tests.shared import HERE, _loss, _loss_at, _pg_run, _stub_sample_fn, _stubs, _toy_samples
 
 
 pytestmark = pytest.mark.timeout(300, method="thread")  # a stuck test fails by itself
@@ -66,6 +66,36 @@ def test_eq9_group_advantage_hand_values():
     assert dapo.set_advantages(samples, dapo.Config(group_size=4)) == 1
     assert [x["adv"] for x in samples] == pytest.approx([0.5 / (1 + 1e-6), -1.5 / (1 + 1e-6), 0.5 / (1 + 1e-6),
                                                        0.5 / (1 + 1e-6)])
+
+
+def test_eq9_ratio_is_pi_theta_over_pi_theta_old_per_token(monkeypatch):
+    """Eq. 9's r_{i,t} = π_θ(o_{i,t} | q, o_{i,<t}) / π_θold(o_{i,t} | q, o_{i,<t}), one per token, as policy_loss
+    hands it to the objective: 0.5 / 0.4 = 1.25, 0.2 / 0.4 = 0.5; a padding token's is 1 (log-ratio 0) whatever
+    its log-probs; a log-ratio beyond ±20 is clamped there (as verl's): e^100 is e^20, finite, and has no
+    gradient. The loss is Eq. 10's on these r over the 5 tokens, and an unclipped token's gradient -Â r / 5."""
+    seen, token_loss = {}, dapo.OBJECTIVES["dapo"]["token_loss"]
+
+    def spy(t, cfg):
+        seen["t"] = t
+        return token_loss(t, cfg)
+
+    monkeypatch.setitem(dapo.OBJECTIVES["dapo"], "token_loss", spy)
+    logp = torch.tensor([[math.log(0.5), math.log(0.2), 5.0], [0.0, -50.0, -1.0]], dtype=torch.float64,
+                        requires_grad=True)
+    old = torch.tensor([[math.log(0.4), math.log(0.4), -5.0], [-100.0, -20.0, -1.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])                     # the first row's last is padding
+    loss, stats = dapo.policy_loss(logp, old, torch.tensor([1.0, -1.0], dtype=torch.float64), mask, dapo.Config())
+    loss.backward()
+    e = math.exp
+    torch.testing.assert_close(seen["t"].ratio, torch.tensor([[1.25, 0.5, 1.0], [e(20), e(-20), 1.0]],
+                                                             dtype=torch.float64))
+    torch.testing.assert_close(seen["t"].log_ratio, torch.tensor([[math.log(1.25), math.log(0.5), 0.0],
+                                                                 [20.0, -20.0, 0.0]], dtype=torch.float64))
+    # Â = +1: -1.25 and -0.5; Â = -1: e^20, 0.8 (0.8 clips e^-20 from below), 1
+    assert loss.item() == pytest.approx((-1.25 - 0.5 + e(20) + 0.8 + 1.0) / 5, rel=1e-12)
+    torch.testing.assert_close(logp.grad, torch.tensor([[-1.25 / 5, -0.5 / 5, 0.0], [0.0, 0.0, 1 / 5]],
+                                                       dtype=torch.float64))
+    assert stats["clip/low_frac"].item() == pytest.approx(1 / 5)
 
 
 # =========================================================================================
@@ -159,51 +189,8 @@ def test_eq11_dynamic_sampling_off_keeps_everything():
     assert len(kept) == 8 and len(calls) == 1 and len(calls[0]) == 8
 
 
-def test_eq11_dynamic_sampling_gives_up_with_a_clear_error():
-    """Out of generation batches, the error names the counts in the reward's terms and the fixes. With nothing
-    kept it stops after the first batch (at twice a keep rate of 0 the batches left could never fill it) and
-    does not advise more generation batches. A graded reward's uniform groups are counted by their value, not as
-    all wrong; where most responses failed in the reward, that is named first."""
-    cfg = dapo.Config(prompts_per_step=8, group_size=4, gen_batch_size=6, max_gen_batches=3)
-    fn, calls = _stub_sample_fn(4)   # a third of the groups are mixed: 5 of 8 kept after 3 batches
-    with pytest.raises(dapo.DapoError, match=r"kept only 5 of 8 groups after 3 generation batches \(18 groups: "
-                                             r"7 all scored \+1, 6 all scored -1, 5 with rewards that differ; "
-                                             r"accuracy 52.8%\)\. The data") as e:
-        dapo.collect_batch(fn, dapo.Sampler(300, seed=0), cfg)
-    assert "group size" in str(e.value) and "--no-dynamic-sampling" in str(e.value) and "--max-gen-batches" in str(e.value)
-    assert len(calls) == 3
-    fn, calls = _stub_sample_fn(4, uniform=lambda i: True)
-    many = dataclasses.replace(cfg, max_gen_batches=20)
-    with pytest.raises(dapo.DapoError, match=r"kept only 0 of 8 groups after 1 generation batch \(6 groups: .*"
-                                             r"0 with rewards that differ; accuracy 50.0%\); no group's rewards "
-                                             r"differed, so more generation batches would not fill it") as e:
-        dapo.collect_batch(fn, dapo.Sampler(300, seed=0), many)
-    assert "easier data" in str(e.value) and "--no-dynamic-sampling" in str(e.value) and len(calls) == 1
-    assert "--max-gen-batches" not in str(e.value) and "--gen-batch-size" not in str(e.value)
-    graded = [[{"score": 0.2, "success": False}] * 4] * 5 + [[{"score": -1.0, "success": False}] * 4] * 2
-    said = str(dapo.too_few_groups(0, graded, 1, cfg))
-    assert "(7 groups: 5 all scored +0.2, 2 all scored -1, 0 with rewards that differ; accuracy 0.0%)" in said
-    failing = [[{"score": -1.0, "success": False, "failed": True}] * 4] * 5 + graded[:1]
-    said = str(dapo.too_few_groups(0, failing, 1, cfg))
-    assert said.startswith("20 of the 24 responses failed in the reward (reward/errors, reward/timeouts; its first "
-                           "error is printed above): fix the reward first. dynamic sampling kept only 0"), said
-
-
 # =========================================================================================
 # Eq. 12: the token-level policy-gradient loss
-
-def test_eq12_mask_excludes_padding_includes_eos():
-    b = dapo.collate(_toy_samples(), pad_id=1, device="cpu")  # pad == EOS on purpose
-    assert b["mask"].tolist() == [[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
-    targets = torch.nn.utils.rnn.pad_sequence(b["targets"].split(b["lengths"]), batch_first=True)  # (B, R)
-    assert targets[0, 2].item() == 1 and targets[1, 1].item() == 1           # EOS is trained on
-    assert b["input_ids"].tolist() == [[5, 6, 7, 8, 9, 1], [5, 6, 8, 9, 9, 9], [5, 8, 1, 1, 1, 1]]   # packed rows, pad at the end
-    assert b["position_ids"][2].tolist() == [0, 1, 2, 0, 1, 2]              # positions as vLLM counts them; the tail apart
-    samples = [dict(s, len=len(s["response_ids"])) for s in _toy_samples()]
-    dapo.overlong_filtering(samples, dapo.Config(overlong_filtering=True))
-    assert dapo.loss_normaliser(samples, dapo.Config(overlong_filtering=True)) == (False, 3 + 2)
-    assert [s["trained"] for s in samples] == [True, True, False]             # overlong filtering
-
 
 def test_eq12_padding_never_reaches_the_loss():
     b = dapo.collate(_toy_samples(), pad_id=0, device="cpu")
@@ -257,6 +244,47 @@ def test_eq12_token_level_differs_from_sample_level():
 
 
 # =========================================================================================
+# Sec. 3.4: overlong filtering
+
+def test_sec34_overlong_filtering_marks_a_truncated_sample_untrained_and_out_of_eq12s_count():
+    """Sec. 3.4, overlong filtering: a truncated sample is marked untrained, and its tokens leave Eq. 12's
+    denominator (the next test: they bear no loss nor gradient); off (GRPO), it counts like any other."""
+    samples = _stubs([2, 3, 4], truncated=(1,))
+    dapo.overlong_filtering(samples, dapo.Config())
+    assert [s["trained"] for s in samples] == [True, False, True]
+    assert dapo.loss_normaliser(samples, dapo.Config()) == (False, 2 + 4)
+    dapo.overlong_filtering(samples, dapo.Config(overlong_filtering=False))
+    assert all(s["trained"] for s in samples) and dapo.loss_normaliser(samples, dapo.Config()) == (False, 9)
+
+
+def test_sec34_a_truncated_samples_tokens_bear_no_loss_and_no_gradient():
+    """Sec. 3.4 through policy_gradient and the mask it builds (collate's, times each sample's "trained"), on a
+    stand-in model whose log-probs are a leaf tensor, at π_θold (r = 1). Of three responses of 3, 2 and 4
+    tokens, Â = +1, -1, +1, the truncated third's tokens get exactly no gradient and add nothing to the loss,
+    -(3 - 2) / 5 over Eq. 12's 5 trained tokens, while each other token gets -Â / 5. With overlong filtering off
+    they train like the others': -Â / 9 each, the loss -(3 - 2 + 4) / 9."""
+    for filtering, n, loss in ((True, 5, -(3 - 2) / 5), (False, 9, -(3 - 2 + 4) / 9)):
+        cfg = dapo.Config(overlong_filtering=filtering)
+        samples = [dict(s, len=len(s["response_ids"]), adv=a) for s, a in zip(_toy_samples(), (1.0, -1.0, 1.0))]
+        dapo.overlong_filtering(samples, cfg)
+        assert [s["trained"] for s in samples] == [True, True, not filtering]
+        assert dapo.loss_normaliser(samples, cfg) == (False, n)
+        leaves = []
+
+        def forward_logprobs(batch, temperature, chunk):  # (B, R) log-probs, one leaf tensor per micro-batch
+            leaves.append(torch.full(batch["mask"].shape, -1.0, requires_grad=True))
+            return leaves[-1], torch.zeros(batch["mask"].shape)
+
+        model = types.SimpleNamespace(forward_logprobs=forward_logprobs)
+        sums, tokens = dapo.policy_gradient(_pg_run(model, cfg, "cpu"), samples, [samples])
+        truncated = [0.0] * 4 if filtering else [-1.0] * 4
+        want = torch.tensor([[-1.0, -1.0, -1.0, 0.0], [1.0, 1.0, 0.0, 0.0], truncated]) / n   # padding: 0
+        torch.testing.assert_close(leaves[0].grad, want, rtol=0, atol=1e-7)
+        assert (leaves[0].grad[2] == 0).all() == filtering and (leaves[0].grad[0, :3] != 0).all()
+        assert tokens == n and sums["loss"] == pytest.approx(loss, rel=1e-6)
+
+
+# =========================================================================================
 # Eq. 13: the soft overlong punishment
 
 def test_eq13_overlong_penalty_pieces():
@@ -284,20 +312,6 @@ def test_eq13_shape_rewards_then_eq9_advantages_hand_values():
 
 
 # =========================================================================================
-# Sec. 3.4: overlong filtering
-
-def test_sec34_overlong_filtering_masks_the_truncated_samples_loss():
-    """Sec. 3.4, overlong filtering: a truncated sample is marked untrained, so its tokens neither bear the
-    loss nor count in Eq. 12's denominator; off (GRPO), it trains like any other."""
-    samples = _stubs([2, 3, 4], truncated=(1,))
-    dapo.overlong_filtering(samples, dapo.Config())
-    assert [s["trained"] for s in samples] == [True, False, True]
-    assert dapo.loss_normaliser(samples, dapo.Config()) == (False, 2 + 4)
-    dapo.overlong_filtering(samples, dapo.Config(overlong_filtering=False))
-    assert all(s["trained"] for s in samples) and dapo.loss_normaliser(samples, dapo.Config()) == (False, 9)
-
-
-# =========================================================================================
 # Sec. 4.1: the learning-rate warm-up (the update's schedule, not a line of Algorithm 1)
 
 def test_sec41_warmup_rises_linearly_over_rollout_steps_from_lr_over_warmup():
@@ -312,10 +326,10 @@ def test_sec41_warmup_rises_linearly_over_rollout_steps_from_lr_over_warmup():
 # Algorithm 1: the loop
 
 def test_algorithm1_train_makes_its_calls_in_the_papers_order():
-    """train() is Algorithm 1 and nothing else: in one rollout step it samples and filters (lines 2-7,
-    collect_batch), shapes the rewards (Eq. 13), computes the advantages (line 8, Eq. 9), filters the overlong
-    samples (Sec. 3.4), runs the μ updates (lines 9-10), pushes the weights into vLLM (line 3 of the next
-    step), evaluates, logs and saves, in that order; the loop calls nothing else but the hook after DAPO
+    """train() is Algorithm 1 and nothing else: in one rollout step it samples, rewards and filters (lines 2 and
+    4-8, collect_batch), shapes the rewards (Eq. 13), computes the advantages (line 9, Eq. 9), filters the
+    overlong samples (Sec. 3.4), runs the μ updates (lines 10-11), pushes the weights into vLLM (line 3 of the
+    next step), evaluates, logs and saves, in that order; the loop calls nothing else but the hook after DAPO
     (Part 2) and the sample exchange (Part 3)."""
     import ast
     tree = next(n for n in ast.parse(open(os.path.join(HERE, "dapo.py")).read()).body
@@ -328,6 +342,90 @@ def test_algorithm1_train_makes_its_calls_in_the_papers_order():
     order = sorted(paper, key=lambda c: min(i for i, x in enumerate(calls) if x == c))
     assert order == paper, calls
     assert set(calls) == set(paper) | {"steps_left", "sample_groups", "after_rollout", "to_trainers"}, calls
+
+
+# The paper's Algorithm 1, line by line: what the line says, and the function of dapo.py that does it
+ALGORITHM_1 = {
+    1: ("for step = 1, ..., M", "steps_left"),
+    2: ("sample a batch D_b from D", "sample_groups"),   # the prompts collect_batch hands to draw()
+    3: ("update the old policy model π_θold <- π_θ", "push_weights"),
+    4: ("sample G outputs {o_i} ~ π_θold(.|q) for each q in D_b", "sample_groups"),
+    5: ("compute rewards {r_i} for each o_i by running R", "sample_groups"),
+    6: ("filter out o_i, add the rest to the dynamic sampling buffer (Eq. 11)", "collect_batch"),
+    7: ("if buffer size n_b < N:", "collect_batch"),
+    8: ("continue", "collect_batch"),
+    9: ("for each o_i in the buffer, compute Â_{i,t} (Eq. 9)", "set_advantages"),
+    10: ("for iteration = 1, ..., μ", "update_policy"),
+    11: ("update π_θ by maximising the DAPO objective (Eq. 8)", "update_policy"),
+}
+
+
+def _line_numbers(text):
+    """"2, 4, 5" -> {2, 4, 5}; "6-8" -> {6, 7, 8}; "2 and 4-8" -> {2, 4, 5, 6, 7, 8}."""
+    out = set()
+    for part in text.replace(" and ", ",").split(","):
+        a, _, b = part.strip().partition("-")
+        out |= set(range(int(a), int(b or a) + 1))
+    return out
+
+
+def test_algorithm1_line_numbers_are_the_papers():
+    """Algorithm 1's line numbers in dapo.py, against the paper's (ALGORITHM_1). In train(), a comment that opens
+    with line numbers and a colon ("# 6-8: ...", "# 3, for the next step: ...") labels its statement (the one it
+    ends, or for a comment on a line of its own the next), and names exactly the lines done by the functions that
+    statement calls (a loop's header, a def's body); together they name each line once. A docstring that says
+    "Algorithm 1, lines 2, 4-8" (or "line 3") claims exactly the lines its function does, with those of the
+    function train() hands it (collect_batch runs draw, which runs sample_groups)."""
+    import ast
+    import io
+    import re
+    import tokenize
+    src = open(os.path.join(HERE, "dapo.py")).read()
+    tree = ast.parse(src)
+    train = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train")
+    stmts = [n for n in ast.walk(train) if isinstance(n, ast.stmt) and n is not train]
+    defs = {n.name: n for n in stmts if isinstance(n, ast.FunctionDef)}   # draw
+
+    def does(node):  # the paper's lines done by the functions a statement calls
+        parts = [node.iter] if isinstance(node, ast.For) else node.body if isinstance(node, ast.FunctionDef) else [node]
+        names = {c.func.id if isinstance(c.func, ast.Name) else c.func.attr for p in parts for c in ast.walk(p)
+                 if isinstance(c, ast.Call) and isinstance(c.func, (ast.Name, ast.Attribute))}
+        return {line for line, (_, fn) in ALGORITHM_1.items() if fn in names}
+
+    wrong, named = [], []
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        row = tok.start[0]
+        if tok.type != tokenize.COMMENT or not train.lineno <= row <= train.end_lineno:
+            continue
+        m = re.match(r"#\s*(\d+(?:\s*[-,]\s*\d+)*)(?:,[^:]*)?:", tok.string)
+        if not m:
+            if re.match(r"#\s*\d", tok.string):
+                wrong.append(f"dapo.py:{row} opens with a number: give Algorithm 1's lines as '# 6-8: ...'")
+            continue
+        if tok.line[:tok.start[1]].strip():   # at the end of a line: the innermost statement there
+            stmt = max((n for n in stmts if n.lineno <= row <= n.end_lineno), key=lambda n: n.lineno)
+        else:                                 # on a line of its own: the statement below it
+            stmt = min((n for n in stmts if n.lineno > row), key=lambda n: (n.lineno, -n.end_lineno))
+        says = _line_numbers(m.group(1))
+        named += sorted(says)
+        if says != does(stmt):
+            wrong.append(f"dapo.py:{row} says lines {sorted(says)}; its statement (line {stmt.lineno}) does "
+                         f"{sorted(does(stmt))}: {tok.string}")
+    if sorted(named) != sorted(ALGORITHM_1):
+        wrong.append(f"train()'s comments name lines {sorted(named)}: name each of 1-{len(ALGORITHM_1)} once")
+    handed = {c.func.id: [defs[a.id] for a in c.args if isinstance(a, ast.Name) and a.id in defs]
+              for c in ast.walk(train) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
+    claimed = set()
+    for fn in (n for n in tree.body if isinstance(n, ast.FunctionDef)):
+        doc = ast.get_docstring(fn) or ""
+        for m in re.finditer(r"Algorithm 1\b[^.]*?\blines?\s+(\d+(?:\s*(?:-|,|\band\b)\s*\d+)*)", doc):
+            claimed.add(fn.name)
+            lines = {line for line, (_, f) in ALGORITHM_1.items() if f == fn.name}
+            lines |= {line for d in handed.get(fn.name, []) for line in does(d)}
+            if _line_numbers(m.group(1)) != lines:
+                wrong.append(f"{fn.name}'s docstring says Algorithm 1's lines {m.group(1)}; it does {sorted(lines)}")
+    assert not wrong, "\n".join(wrong)
+    assert claimed >= {"collect_batch", "update_policy", "push_weights"}, claimed
 
 
 # =========================================================================================
@@ -372,13 +470,3 @@ def test_pass_at_k_unbiased():
     assert dapo.pass_at_k(4, 0, 1) == 0 and dapo.pass_at_k(4, 4, 1) == 1
     assert dapo.pass_at_k(4, 1, 1) == pytest.approx(0.25)
     assert dapo.pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)          # 1 - C(3,2)/C(5,2)
-
-
-# -----------------------------------------------------------------------------------------
-# Helpers
-
-def _toy_samples():
-    # three samples with EOS (id 1) at the end of each response, different lengths
-    return [{"prompt_ids": [5, 6, 7], "response_ids": [8, 9, 1], "truncated": False},
-            {"prompt_ids": [5], "response_ids": [8, 1], "truncated": False},
-            {"prompt_ids": [5, 6], "response_ids": [8, 9, 9, 9], "truncated": True}]

@@ -368,15 +368,18 @@ def field_range(help):
 
 
 def _out_of_range(flag, value, help):
-    """Why a numeric field's value is refused, or None."""
+    """Why a numeric field's value is refused, with the why of its range where the comment gives one, or None.
+    inf and nan are refused as not finite: a range with no upper bound still means a number."""
     low, open_low, high, spec, why = field_range(help)
     inside = (value > low if open_low else value >= low) and (high is None or value <= high)
     if math.isfinite(value) and inside:
         return None
     if high is not None:
-        return f"{flag} must lie in {spec} (got {value})"
+        return f"{flag} must lie in {spec}{why} (got {value})"
+    if not math.isfinite(value):
+        return f"{flag} must be a finite number {spec}{why} (got {value})"
     if open_low and low == 0:
-        return f"{flag} must be positive (got {value})"
+        return f"{flag} must be positive{why} (got {value})"
     return f"{flag} must be {f'at least {low:g}' if low else '>= 0'}{why} (got {value})"
 
 

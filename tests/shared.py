@@ -92,6 +92,13 @@ def _stubs(lengths, truncated=()):
     return [{"len": n, "truncated": i in truncated} for i, n in enumerate(lengths)]
 
 
+def _toy_samples():
+    """Three samples with EOS (id 1) at the end of each response, of 3, 2 and 4 tokens; the third truncated."""
+    return [{"prompt_ids": [5, 6, 7], "response_ids": [8, 9, 1], "truncated": False},
+            {"prompt_ids": [5], "response_ids": [8, 1], "truncated": False},
+            {"prompt_ids": [5, 6], "response_ids": [8, 9, 9, 9], "truncated": True}]
+
+
 def _stub_sample_fn(G, uniform=lambda i: i % 3 != 2):
     """Groups whose correctness is decided by the prompt index: `uniform(i)` groups are all
     correct (i % 3 == 0) or all wrong (i % 3 == 1); the others are half right."""

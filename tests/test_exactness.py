@@ -11,7 +11,8 @@ import torch
 from lib import interrupt
 import dapo
 from tests.shared import (
-    GRAD_RTOL, KNOBS, _grads, _padded_collate, _padded_forward_logprobs, _relative_gap, _run, _torchrun)
+    GRAD_RTOL, KNOBS, _grads, _padded_collate, _padded_forward_logprobs, _relative_gap, _run, _toy_samples,
+    _torchrun)
 
 
 _MEM_SCRIPT = r"""
@@ -134,6 +135,18 @@ def test_packed_rows_never_attend_across_sequences():
     worst_flex = max((lp[i, :len(a)] - a).abs().max().item() for i, a in enumerate(alone))
     print(f"flex attention, one row of {len(samples)} sequences: max |packed - alone (sdpa)| {worst_flex:.1e}")
     assert worst_flex < 1e-5
+
+
+def test_collate_packs_rows_and_masks_padding_but_not_eos():
+    """collate's packed rows: sequences first-fit into rows as long as the longest, pad ids at each row's end,
+    positions restarting per sequence (the row's tail a sequence of its own), and a mask of every response
+    token, EOS included, even where the pad id is EOS's."""
+    b = dapo.collate(_toy_samples(), pad_id=1, device="cpu")  # pad == EOS on purpose
+    assert b["mask"].tolist() == [[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
+    targets = torch.nn.utils.rnn.pad_sequence(b["targets"].split(b["lengths"]), batch_first=True)  # (B, R)
+    assert targets[0, 2].item() == 1 and targets[1, 1].item() == 1           # EOS is trained on
+    assert b["input_ids"].tolist() == [[5, 6, 7, 8, 9, 1], [5, 6, 8, 9, 9, 9], [5, 8, 1, 1, 1, 1]]   # packed rows, pad at the end
+    assert b["position_ids"][2].tolist() == [0, 1, 2, 0, 1, 2]              # positions as vLLM counts them; the tail apart
 
 
 def test_one_row_layout_packs_every_sequence_without_padding():

@@ -16,7 +16,7 @@ import torch
 import reward
 from lib import demo_model, interrupt
 import dapo
-from tests.shared import E2E_ARGS, HERE, _run
+from tests.shared import E2E_ARGS, HERE, _run, _stub_sample_fn
 
 
 def _numeric_fields():
@@ -138,9 +138,12 @@ def test_presets_are_visible_and_a_flag_given_wins(tmp_path):
 
 def test_a_choice_flag_is_checked_from_its_table(monkeypatch):
     """Every choice flag is checked against its table in dapo.py (CHOICES): a new entry, e.g. an advantage
-    estimator, is accepted with no change in lib/, and a name no table holds is refused."""
+    estimator, is accepted with no change in lib/ or here, and a name no table holds is refused, the message
+    listing the table's names."""
     cfg = dapo.Config(adv_estimator="forked")
-    with pytest.raises(dapo.DapoError, match="--adv-estimator must be one of grpo, dr_grpo, rloo, maxrl, not 'forked'"):
+    names = ", ".join(dapo.ADV_ESTIMATORS)
+    assert names.startswith("grpo, ")                                   # DAPO's Eq. 9 first
+    with pytest.raises(dapo.DapoError, match=re.escape(f"--adv-estimator must be one of {names}, not 'forked'")):
         dapo.check_config(cfg)
     monkeypatch.setitem(dapo.ADV_ESTIMATORS, "forked", "a fork's estimator")
     dapo.check_config(cfg)
@@ -154,11 +157,11 @@ def test_a_choice_flag_is_checked_from_its_table(monkeypatch):
     (["--overlong-cache-len", "8", "--max-response-len", "8"], "--overlong-cache-len must lie between 0 and"),
     (["--task", "mult"], "--task must be one of add, carry, not 'mult'"),
     (["--loss", "ppo"], f"--loss must be one of {', '.join(dapo.OBJECTIVES)}, not 'ppo'"),
-    (["--adv-estimator", "ppo"], "--adv-estimator must be one of grpo, dr_grpo, rloo, maxrl, not 'ppo'"),
+    (["--adv-estimator", "ppo"], f"--adv-estimator must be one of {', '.join(dapo.ADV_ESTIMATORS)}, not 'ppo'"),
     (["--attn-impl", "flash"], "--attn-impl must be one of '', flex_attention, flash_attention_2, sdpa, not 'flash'"),
     (["--save-dtype", "float16"], "--save-dtype must be one of '', bfloat16, float32, not 'float16'"),
-    (["--temperature", "3"], "--temperature must lie in [0.01, 2] (got 3.0)"),
-    (["--eval-temperature", "0.001"], "--eval-temperature must lie in [0.01, 2] (got 0.001)"),
+    (["--temperature", "3"], "--temperature must lie in [0.01, 2] (vLLM's range) (got 3.0)"),
+    (["--eval-temperature", "0.001"], "--eval-temperature must lie in [0.01, 2] (vLLM's range) (got 0.001)"),
     (["--dppo-anchor", "rollout", "--dppo-ratio-cap", "3"], "--dppo-ratio-cap 3.0 has no effect under --loss dapo: "
                                                             "drop it, or pass --loss dppo_tv"),
     (["--loss", "dppo_kl", "--dppo-anchor", "old"], "--dppo-anchor must be one of rollout, recompute, not 'old'"),
@@ -184,7 +187,13 @@ def test_a_choice_flag_is_checked_from_its_table(monkeypatch):
     (["--tis-cap", "2", "--tis-min", "2"], "--tis-min 2.0 must lie below --tis-cap 2.0"),
     (["--tis-min", "0.5"], "--tis-min 0.5 needs --tis-cap: 0 turns rollout correction off"),
     (["--lora-rank", "-1"], "--lora-rank must be >= 0 (got -1)"),
-    (["--lora-alpha", "nan"], "--lora-alpha must be positive (got nan)"),
+    (["--lora-alpha", "nan"], "--lora-alpha must be a finite number > 0 (got nan)"),
+    (["--loss", "kl_cov", "--kl-cov-coef", "inf"], "--kl-cov-coef must be a finite number > 0 (got inf)"),
+    (["--loss", "clip_cov", "--clip-cov-ub", "inf"], "--clip-cov-ub must be a finite number > 0 (got inf)"),
+    (["--loss", "dppo_tv", "--dppo-ratio-cap", "inf"], "--dppo-ratio-cap must be a finite number > 0 (for no "
+                                                       "truncation give a large finite c, e.g. 1e4 as in verl's "
+                                                       "DPPO example) (got inf)"),
+    (["--kl-coef", "inf"], "--kl-coef must be a finite number >= 0 (got inf)"),
     (["--tis-mode", "seq"], "--tis-mode must be one of token_truncate, token_mask, sequence_truncate, sequence_mask, not 'seq'"),
 ])
 def test_config_rules_each_refuse_in_one_line(flags, message):
@@ -488,6 +497,39 @@ def test_resume_refuses_a_changed_config(capsys):
     assert capsys.readouterr().out == "resume: --lr 1e-06 -> 2e-06: from here the run differs from a straight one\n"
     with pytest.raises(dapo.DapoError, match=r"--model 'a' -> 'b'; these change what is trained: start a new run"):
         dapo.check_resume(saved, dapo.Config(model="b", lr=2e-6))
+
+
+def test_dynamic_sampling_that_cannot_fill_the_batch_is_one_line_naming_the_counts_and_fixes():
+    """Eq. 11's dynamic sampling out of generation batches: the error, in one line, names the counts in the
+    reward's terms and the fixes. With nothing kept it stops after the first batch (at twice a keep rate of 0
+    the batches left could never fill it) and does not advise more generation batches. A graded reward's
+    uniform groups are counted by their value, not as all wrong; where most responses failed in the reward,
+    that is named first."""
+    cfg = dapo.Config(prompts_per_step=8, group_size=4, gen_batch_size=6, max_gen_batches=3)
+    fn, calls = _stub_sample_fn(4)   # a third of the groups are mixed: 5 of 8 kept after 3 batches
+    with pytest.raises(dapo.DapoError, match=r"kept only 5 of 8 groups after 3 generation batches \(18 groups: "
+                                             r"7 all scored \+1, 6 all scored -1, 5 with rewards that differ; "
+                                             r"accuracy 52.8%\)\. The data") as e:
+        dapo.collect_batch(fn, dapo.Sampler(300, seed=0), cfg)
+    assert "group size" in str(e.value) and "--no-dynamic-sampling" in str(e.value) and "--max-gen-batches" in str(e.value)
+    assert "\n" not in str(e.value)
+    assert len(calls) == 3
+    fn, calls = _stub_sample_fn(4, uniform=lambda i: True)
+    many = dataclasses.replace(cfg, max_gen_batches=20)
+    with pytest.raises(dapo.DapoError, match=r"kept only 0 of 8 groups after 1 generation batch \(6 groups: .*"
+                                             r"0 with rewards that differ; accuracy 50.0%\); no group's rewards "
+                                             r"differed, so more generation batches would not fill it") as e:
+        dapo.collect_batch(fn, dapo.Sampler(300, seed=0), many)
+    assert "easier data" in str(e.value) and "--no-dynamic-sampling" in str(e.value) and len(calls) == 1
+    assert "\n" not in str(e.value)
+    assert "--max-gen-batches" not in str(e.value) and "--gen-batch-size" not in str(e.value)
+    graded = [[{"score": 0.2, "success": False}] * 4] * 5 + [[{"score": -1.0, "success": False}] * 4] * 2
+    said = str(dapo.too_few_groups(0, graded, 1, cfg))
+    assert "(7 groups: 5 all scored +0.2, 2 all scored -1, 0 with rewards that differ; accuracy 0.0%)" in said
+    failing = [[{"score": -1.0, "success": False, "failed": True}] * 4] * 5 + graded[:1]
+    said = str(dapo.too_few_groups(0, failing, 1, cfg))
+    assert said.startswith("20 of the 24 responses failed in the reward (reward/errors, reward/timeouts; its first "
+                           "error is printed above): fix the reward first. dynamic sampling kept only 0"), said
 
 
 def test_every_flag_a_mid_run_error_advises_is_taken_by_resume(capsys, monkeypatch):
