@@ -191,8 +191,8 @@ def test_a_choice_flag_is_checked_from_its_table(monkeypatch):
     (["--loss", "kl_cov", "--kl-cov-coef", "inf"], "--kl-cov-coef must be a finite number > 0 (got inf)"),
     (["--loss", "clip_cov", "--clip-cov-ub", "inf"], "--clip-cov-ub must be a finite number > 0 (got inf)"),
     (["--loss", "dppo_tv", "--dppo-ratio-cap", "inf"], "--dppo-ratio-cap must be a finite number > 0 (for no "
-                                                       "truncation give a large finite c, e.g. 1e4 as in verl's "
-                                                       "DPPO example) (got inf)"),
+                                                       "truncation give a large finite c, as the default 1e4) "
+                                                       "(got inf)"),
     (["--kl-coef", "inf"], "--kl-coef must be a finite number >= 0 (got inf)"),
     (["--tis-mode", "seq"], "--tis-mode must be one of token_truncate, token_mask, sequence_truncate, sequence_mask, not 'seq'"),
 ])
