@@ -37,6 +37,49 @@ def test_advantage_estimators_after_dapo_hand_values():
     assert [s["adv"] for s in samples] == pytest.approx([2 / 3, -2.0, 2 / 3, 2 / 3])
 
 
+def _verl_reinforce_pp_baseline(token_level_rewards, response_mask, index):
+    """verl's compute_reinforce_plus_plus_baseline_outcome_advantage and its verl_F.masked_whiten
+    (verl/trainer/ppo/core_algos.py, verl/utils/torch_functional.py), transcribed as they are."""
+    from collections import defaultdict
+    scores = token_level_rewards.sum(dim=-1)
+    id2score, id2mean = defaultdict(list), {}
+    for i in range(scores.shape[0]):
+        id2score[index[i]].append(scores[i])
+    for idx in id2score:
+        id2mean[idx] = torch.tensor(0.0) if len(id2score[idx]) == 1 else torch.mean(torch.stack(id2score[idx]))
+    for i in range(scores.shape[0]):
+        scores[i] = scores[i] - id2mean[index[i]]
+    scores = scores.unsqueeze(-1).tile([1, token_level_rewards.shape[-1]]) * response_mask
+    masked_mean = lambda v, m: (torch.where(m.bool(), v, 0.0) * m).sum() / (m.sum() + 1e-8)  # noqa: E731
+    mean = masked_mean(scores, response_mask)
+    var = masked_mean((scores - mean) ** 2, response_mask) * response_mask.sum() / (response_mask.sum() - 1)
+    return (scores - mean) * torch.rsqrt(var + 1e-8) * response_mask
+
+
+def test_reinforce_pp_baseline_equals_verls_and_an_estimator_reads_the_keys_its_entry_names():
+    """--adv-estimator reinforce_pp_baseline: the group's mean subtracted, then whitened over the batch's tokens
+    (a response counts |o_i| times), equal to verl's on 200 random batches (every token of a response carries the
+    response's value). It reads each sample's shaped reward and its length: set_advantages hands an estimator the
+    sample keys its ADV_ESTIMATORS entry names, so a new one needs no change outside Part 2."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        G, n = 4, 3
+        rewards = torch.randint(-1, 2, (G * n,), generator=g).float() + 0.1 * torch.rand(G * n, generator=g)
+        lengths = torch.randint(1, 9, (G * n,), generator=g)
+        mask = (torch.arange(8) < lengths[:, None]).float()
+        token_rewards = torch.zeros(G * n, 8)
+        token_rewards[torch.arange(G * n), lengths - 1] = rewards   # verl: the score on the last token
+        want = _verl_reinforce_pp_baseline(token_rewards, mask, [i // G for i in range(G * n)])
+        got = dapo.reinforce_pp_baseline_advantages(rewards, lengths, G)
+        torch.testing.assert_close(got[:, None] * mask, want)
+    assert dapo.ADV_ESTIMATORS["reinforce_pp_baseline"]["reads"] == ("reward", "len")
+    samples = [{"reward": r, "len": n} for r, n in ((1.0, 3), (-1.0, 5), (-1.0, 2), (1.0, 7))]
+    dapo.set_advantages(samples, dapo.Config(group_size=2, adv_estimator="reinforce_pp_baseline"))
+    want = dapo.reinforce_pp_baseline_advantages(torch.tensor([1.0, -1, -1, 1]), torch.tensor([3, 5, 2, 7]), 2)
+    assert [s["adv"] for s in samples] == pytest.approx(want.tolist())
+    assert samples[0]["adv"] != pytest.approx(-samples[1]["adv"])   # the lengths weigh the whitening's mean
+
+
 def test_dual_clip_bounds_negative_advantages():
     assert _loss_at(20.0, -1.0)[0] == pytest.approx(20.0)
     got, grad, _ = _loss_at(20.0, -1.0, dual_clip=10.0)
