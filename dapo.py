@@ -57,7 +57,7 @@ from torch.nn.utils.rnn import pad_sequence
 import reward  # the answer checker (Eq. 7), beside this file
 
 # Checks of the user's files (Part 3) live in lib/: bad input is one line, before anything slow.
-from lib import check_data, interrupt, lora
+from lib import check_data, interrupt, lora, plan
 from lib.dist import (STALE_SHM, all_gather_objects, all_to_all_objects, compute_device,
                       full_tensor, init_distributed, own_ipc_dir, print0, rank, unlink_group_shm,
                       world)
@@ -911,6 +911,8 @@ class SystemConfig:
     #  {> 0}
     deterministic: bool = False      # vLLM's batch-invariant kernels (CUDA) and torch's
     #  deterministic algorithms (CPU runs are deterministic already)
+    memory_check: bool = True        # CUDA: refuse, before vLLM starts, a config whose memory plan
+    #  (tools/plan.py) does not fit the GPU; off = run anyway
 
 
 @dataclass
@@ -943,12 +945,18 @@ LAPTOP = dict(max_prompt_len=256, max_response_len=32, overlong_cache_len=8, pro
               gen_batch_size=16, num_mini_batches=2, micro_batch_size=16, lr=2e-5, warmup_steps=2, steps=12,
               eval_every=2, eval_samples=4, cpu_kv_cache_gb=2.0, out_dir="runs/laptop",
               precision="fp32" if check_data.cpu_lacks_bf16() else "bf16")
+# On CUDA with --model (and no preset above): gradient checkpointing and one max-length sequence per micro-batch,
+# as run_32b.sh and verl's ppo_max_token_len_per_gpu, so that the README's GPU commands fit 80 GB GPUs by the
+# memory plan (lib/plan.py; the defaults' 4 sequences in one row, all activations kept, need ~840 GB a GPU for
+# the README's 7B command). tools/plan.py plans with it on any host.
+CUDA = dict(grad_checkpointing=True, micro_batch_tokens="--max-prompt-len + --max-response-len")
 
 
-def presets(cfg):
+def presets(cfg, cuda=None):
     """The presets that apply, in order, as (name, settings): the built-in task's on the built-in model
     (none given, or one that lib/demo_model.py built), or the laptop preset on tools/real_model.py's model
-    (the model's config says which), then the --loss variant's."""
+    (the model's config says which), or on CUDA (cuda: plan for it; None: where torch finds it) the CUDA
+    preset, then the --loss variant's."""
     out = []
     config = os.path.join(os.path.expanduser(cfg.model), "config.json")
     marks = json.load(open(config)) if cfg.model and os.path.isfile(config) else {}
@@ -956,6 +964,8 @@ def presets(cfg):
         out.append((f"--task {cfg.task}", CARRY if cfg.task == "carry" else DEMO))
     elif marks.get("dapo_preset") == "laptop":
         out.append(("laptop", LAPTOP))
+    elif (torch.cuda.is_available() if cuda is None else cuda):
+        out.append(("cuda", dict(CUDA, micro_batch_tokens=cfg.max_prompt_len + cfg.max_response_len)))
     preset = OBJECTIVES.get(cfg.loss, {}).get("preset")
     return out + ([(f"--loss {cfg.loss}", preset)] if preset else [])
 
@@ -966,12 +976,13 @@ def check_config(cfg):
     check_data.check_config(cfg, OBJECTIVES, CHOICES)
 
 
-def parse_config(argv=None, cls=Config):
+def parse_config(argv=None, cls=Config, cuda=None):
     """Flags generated from Config (or a subclass: tools/plan.py's); a field's comment is its help,
-    followed by the values the presets give it. A flag given on the command line beats every preset."""
+    followed by the values the presets give it. A flag given on the command line beats every preset.
+    cuda: presets(cfg, cuda)."""
     import argparse
     helps = field_helps(cls)
-    named = {"--task add": DEMO, "--task carry": CARRY, "laptop": LAPTOP,
+    named = {"--task add": DEMO, "--task carry": CARRY, "laptop": LAPTOP, "cuda": CUDA,
              **{f"--loss {k}": v.get("preset", {}) for k, v in OBJECTIVES.items()}}
     p = argparse.ArgumentParser(description=sys.modules[cls.__module__].__doc__.strip().split("\n\n")[0])
     for f in dataclasses.fields(cls):
@@ -992,7 +1003,7 @@ def parse_config(argv=None, cls=Config):
             p.add_argument(flag, type=type(f.default), default=None, help=help)
     given = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
     cfg = cls(**given)
-    for _, preset in presets(cfg):
+    for _, preset in presets(cfg, cuda):
         for k, v in preset.items():
             if k not in given:
                 setattr(cfg, k, v)
@@ -1700,7 +1711,7 @@ RESUMABLE = {"steps", "out_dir", "resume", "eval_only", "eval_every", "eval_samp
              "wandb_project", "reward_timeout", "reward_workers", "cpu_kv_cache_gb", "gpu_memory_utilization",
              "vllm_sleep", "save_dtype", "hf_shard_gb", "attn_impl", "max_sync_diff", "deterministic",
              "max_gen_batches", "max_nonfinite", "collective_timeout_min", "micro_batch_size", "micro_batch_tokens",
-             "logprob_chunk", "grad_checkpointing", "cpu_offload"}
+             "logprob_chunk", "grad_checkpointing", "cpu_offload", "memory_check"}
 CHANGES_THE_RUN = {"lr", "group_size", "gen_batch_size", "dynamic_sampling"}
 
 
@@ -1921,6 +1932,12 @@ def preflight(cfg):
     elif cfg.max_prompt_len + cfg.max_response_len > demo_model.MAX_POSITIONS:
         raise DapoError(f"--max-prompt-len {cfg.max_prompt_len} + --max-response-len {cfg.max_response_len} exceeds "
                         f"the built-in demo model's {demo_model.MAX_POSITIONS} positions: lower them, or pass --model")
+    if torch.cuda.is_available() and cfg.memory_check and not cfg.eval_only:  # the plan, at this world's size
+        world = int(os.environ.get("WORLD_SIZE", "1"))  # (torchrun's), before vLLM takes minutes to start
+        gpu = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory
+        problem = plan.refusal(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)), gpu / 1e9)
+        if problem:
+            raise DapoError(problem)
     own = cfg.reward != reward.MATH  # a reward of one's own takes any ground truth (a dict, a list)
     if cfg.train_data:  # every row read and checked now: a second, where vLLM takes minutes
         train, held = load_data(cfg.train_data, cfg.dedup, own), []

@@ -29,7 +29,7 @@ BAD_REWARDS = {"crash_on_import.py": "import os\nos._exit(3)\n", "syntax_error.p
 
 
 _DETERMINISTIC_PROBE = r"""
-import importlib.abc, json, os, sys, torch
+import importlib.abc, json, os, sys, torch, types
 seen = {}
 
 
@@ -42,15 +42,17 @@ class Probe(importlib.abc.MetaPathFinder):  # the first import of vllm: record, 
 
 sys.meta_path.insert(0, Probe())
 import dapo
-real = torch.cuda.is_available, dapo.init_distributed
+real = torch.cuda.is_available, dapo.init_distributed, torch.cuda.get_device_properties
+gpu = types.SimpleNamespace(total_memory=80e9)  # the memory check (preflight) reads the GPU's size
 for where, flag in (("cuda", "--deterministic"), ("cuda", "--no-deterministic"), ("cpu", "--deterministic")):
     seen.clear()
     os.environ["VLLM_BATCH_INVARIANT"] = ""
     torch.use_deterministic_algorithms(False)
     if where == "cuda":  # as if on a GPU machine, up to the first import of vllm
-        torch.cuda.is_available, dapo.init_distributed = lambda: True, lambda timeout_min: torch.device("cuda", 0)
+        torch.cuda.is_available, dapo.init_distributed, torch.cuda.get_device_properties = (
+            lambda: True, lambda timeout_min: torch.device("cuda", 0), lambda i=0: gpu)
     else:
-        torch.cuda.is_available, dapo.init_distributed = real
+        torch.cuda.is_available, dapo.init_distributed, torch.cuda.get_device_properties = real
     try:
         dapo.main(sys.argv[1:] + [flag])
     except BaseException as e:
