@@ -39,6 +39,8 @@ def init_distributed(timeout_min=180.0):
     """torchrun sets RANK/WORLD_SIZE/...; plain `python dapo.py` becomes a world of one. The timeout
     bounds every collective of this group; vLLM's own TP groups keep torch's (they run in lockstep)."""
     from datetime import timedelta
+    if torch.distributed.is_initialized():  # a caller's own (tools/gpu_check.py runs train() twice in one)
+        return compute_device()
     if "RANK" not in os.environ:  # vLLM's external_launcher reads these too
         import socket
         with socket.socket() as s:

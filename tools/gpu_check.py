@@ -98,8 +98,8 @@ def fingerprint(model, opt):
 
 def instrument(phases, seen):
     """Wrap dapo's functions: each phase's time and peak memory (PHASES); each engine's CUDA graphs; a hash
-    of the state each checkpoint saves and resume loads; init_distributed, which set_up calls, does nothing
-    where this tool has started the process group (both runs and the report share it)."""
+    of the state each checkpoint saves and resume loads. (init_distributed, which set_up calls, keeps the
+    process group this tool started: both runs and the report share it.)"""
     def timed(name, fn):
         def wrapper(*a, **k):
             seen["phase"], start, t = name, memory_at_start(), time.perf_counter()
@@ -115,7 +115,6 @@ def instrument(phases, seen):
     for name, attr in PHASES.items():
         setattr(dapo, attr, timed(name, getattr(dapo, attr)))
     save, load, start_engine = dapo.save_checkpoint, dapo.load_checkpoint, dapo.start_engine
-    init = dapo.init_distributed
 
     def saved(run, step):
         save(run, step)
@@ -132,8 +131,6 @@ def instrument(phases, seen):
         return llm
 
     dapo.save_checkpoint, dapo.load_checkpoint, dapo.start_engine = saved, loaded, engine
-    dapo.init_distributed = lambda *a, **k: (dist.compute_device() if torch.distributed.is_initialized()
-                                             else init(*a, **k))
 
 
 def cuda_graphs(llm):
