@@ -198,10 +198,7 @@ def policy_loss(logp, old_logp, advantages, mask, cfg, denom=None, more=None):
         total = (masked.sum(-1) / mask.sum(-1).clamp(min=1)).sum()
     else:  # Eq. 12, DAPO's token-level loss: every token of the mini-batch weighs the same
         total = masked.sum()
-    with torch.no_grad():  # means over the trained tokens
-        mean = lambda x: (x * mask).sum() / mask.sum().clamp(min=1)  # noqa: E731
-        stats.update({"clip/low_frac": mean(low), "clip/high_frac": mean(high),
-                      "approx_kl": mean(ratio - 1 - log_ratio)})  # k3: KL(π_θold || π_θ)
+    stats.update(token_statistics(t, low, high))  # Part 3: where the clip binds, the KL, ...
     return total / max(float(denom.n), 1.0), stats
 
 
@@ -1481,6 +1478,27 @@ def by_level(rows, avg, k):
     return out
 
 
+LOW_PROB = 0.2  # Sec. 3.1: the tokens the upper clip binds on had π_θold < ~0.2 (the paper's Figure 3)
+
+
+def token_statistics(t, low, high):
+    """policy_loss's statistics of a micro-batch, means over its trained tokens (update_metrics averages them
+    over the step): where the clip binds, below and above; approx_kl, k3 KL(π_θold || π_θ); and Sec. 3.1's
+    argument for Clip-Higher in probabilities: π_θold of the tokens the upper clip binds on, against every
+    token's (prob/old_at_clip_high, prob/old), and the ratio r the low-probability tokens (π_θold < LOW_PROB)
+    that A pushes up have reached (prob/low_up_ratio; ε_high caps it at 1 + ε_high)."""
+    with torch.no_grad():
+        mean = lambda x: (x * t.mask).sum() / t.mask.sum().clamp(min=1)  # noqa: E731
+        p_old, up = torch.exp(t.old_logp), (torch.exp(t.old_logp) < LOW_PROB) & (t.adv > 0)
+        return {"clip/low_frac": mean(low), "clip/high_frac": mean(high), "approx_kl": mean(t.ratio - 1 - t.log_ratio),
+                "prob/old": mean(p_old), "prob/old_at_clip_high": mean(p_old * high), "prob/low_up_frac": mean(up),
+                "prob/low_up_ratio": mean(t.ratio * up)}
+
+
+# update_metrics' means over a subset of the tokens: (the statistic, the share of tokens it is taken over)
+OVER = {"prob/old_at_clip_high": "clip/high_frac", "prob/low_up_ratio": "prob/low_up_frac"}
+
+
 def update_metrics(run, totals, grad_norms, skipped, my_micros, sync):
     """update_policy's metrics: the statistics' sums over every rank, divided by the trained tokens (or,
     *_seq_frac, sequences) of the stepped mini-batches; the loss per step; the sync gap; the padding."""
@@ -1490,6 +1508,10 @@ def update_metrics(run, totals, grad_norms, skipped, my_micros, sync):
     total = dict(zip(keys, summed.tolist()))
     stats = {k: v / max(total["sequences" if k.endswith("_seq_frac") else "tokens"], 1.0)
              for k, v in total.items() if k not in ("tokens", "sequences", "loss")}
+    for k, share in OVER.items():  # a mean over those tokens alone; none, no value
+        value = stats.pop(k, None)
+        if value is not None and stats[share] > 0:
+            stats[k] = value / stats[share]
     micro = [mb for micros in my_micros for mb in micros]
     padding = torch.tensor(sum(1 for mb in micro if mb[0].get("dummy")))
     torch.distributed.all_reduce(padding)

@@ -212,6 +212,33 @@ def test_a_sync_gap_past_the_limit_stops_before_any_optimizer_step(guards):
         assert r["sync_stop_moved"] == 0.0 and r["sync_stop_adam_steps"]      # no optimizer step on the bad rollout
 
 
+def test_sec31_statistics_say_which_tokens_the_upper_clip_binds_on():
+    """Sec. 3.1's argument for Clip-Higher, measured: π_θold of the tokens where the upper clip binds, against every
+    token's, and the ratio reached by the low-probability tokens (π_θold < 0.2) that A pushes up, each a mean over
+    its own tokens across the micro-batches of a step. Tokens π_θold 0.1, 0.5, 0.05 at r = 1.5, 1.5, 1.1, A > 0,
+    ε_high 0.28: the clip binds on the first two (mean π_θold 0.3; all: 0.65 / 3); the low-probability ones are the
+    first and third (mean r 1.3). A second micro-batch where nothing binds leaves those means as they are."""
+    _one_rank()
+    try:
+        sums = {}
+        for p_old, r, adv in (([0.1, 0.5, 0.05], [1.5, 1.5, 1.1], 1.0), ([0.6, 0.7, 0.8], [1.0, 1.0, 1.0], -1.0)):
+            old = torch.tensor([p_old], dtype=torch.float64).log()
+            logp = old + torch.tensor([r], dtype=torch.float64).log()
+            _, stats = dapo.policy_loss(logp, old, torch.tensor([adv], dtype=torch.float64), torch.ones(1, 3),
+                                        dapo.Config())
+            dapo.add_stats(sums, stats, 3, 1, 0.0)
+        run = dapo.types.SimpleNamespace(state={"nonfinite_streak": 0})
+        m = dapo.update_metrics(run, sums, [1.0], 0, [[[{"dummy": False}]]], {})
+        sums.pop("prob/old_at_clip_high")   # a step where the upper clip binds nowhere: no value, not 0
+        sums["clip/high_frac"] = 0.0
+        none = dapo.update_metrics(run, sums, [1.0], 0, [[[{"dummy": False}]]], {})
+    finally:
+        torch.distributed.destroy_process_group()
+    assert m["clip/high_frac"] == pytest.approx(2 / 6) and m["prob/old_at_clip_high"] == pytest.approx(0.3)
+    assert m["prob/old"] == pytest.approx((0.65 + 2.1) / 6) and m["prob/low_up_ratio"] == pytest.approx(1.3)
+    assert "prob/old_at_clip_high" not in none and none["prob/low_up_ratio"] == pytest.approx(1.3)
+
+
 def test_sync_diff_stats_hand_values():
     """|vLLM log-prob - trainer log-prob| over the trained tokens: mean, p99 (linear interpolation) and max."""
     _one_rank()
