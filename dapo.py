@@ -429,7 +429,7 @@ def policy_gradient(run, mini, micros):
     denom = loss_normaliser(mini, cfg)
     sums = {}
     for mb in micros:
-        batch = collate(mb, run.pad_id, device, packs_one_row(cfg))  # Part 3: packed rows
+        batch = collate(mb, run.pad_id, device, packs_one_row(cfg), cfg.shared_prefix)  # Part 3
         logp, ent = run.model.forward_logprobs(batch, cfg.temperature, cfg.logprob_chunk)  # Part 3
         old = old_logp_of(mb, logp)  # Part 3: π_θold; the first mini-batch's is this pass
         trained = torch.tensor([float(s["trained"]) for s in mb], device=device)
@@ -899,6 +899,9 @@ class SystemConfig:
     attn_impl: str = ""              # trainer attention: flex_attention, flash_attention_2 or sdpa;
     #  "" = flex on CUDA (sequences packed in one row, block-sparse masks), sdpa on CPU (rows, dense
     #  masks)
+    shared_prefix: bool = True       # forward a group's prompt once in the update, its responses
+    #  attending to it (sdpa's mask, flex's block mask); off = a copy per response (always under
+    #  flash attention or a sliding window, which take no such mask)
     tp_size: int = 1                 # vLLM tensor-parallel size (TP groups = contiguous ranks)
     #  {>= 1}
     gpu_memory_utilization: float = 0.6  # vLLM's share of GPU memory (weights + KV cache) {(0, 1]}
@@ -1072,17 +1075,31 @@ def share_groups(run, local, idx, prompt_ids, n, times):
     return groups, times
 
 
-def trainer_ranks(num_samples, cfg):
-    """The rank that trains each kept sample, as micro_batches splits them (mini-batch m is a
-    contiguous slice, rank r trains its r::world() share); None beyond the last full mini-batch."""
-    size = num_samples // cfg.num_mini_batches
-    return [i % size % world() if i < size * cfg.num_mini_batches else None for i in range(num_samples)]
+def trainer_ranks(samples, cfg):
+    """The rank that trains each kept sample, as micro_batches splits them: mini-batch m is a contiguous
+    slice, cut into world() consecutive shares of equal load in the unit micro-batches are cut in, so that
+    a group stays on one rank unless a cut falls inside it; None beyond the last full mini-batch. Every
+    rank decides alike, from lengths alone (a stub has them)."""
+    size, owner = len(samples) // cfg.num_mini_batches, [None] * len(samples)
+    for m in range(cfg.num_mini_batches):
+        mini = samples[m * size:(m + 1) * size]
+        if cfg.micro_batch_tokens:  # real tokens, a shared prompt once
+            cost = [s["len"] for s in mini]
+            for run in prompt_runs(mini, cfg.shared_prefix):
+                cost[run[0]] += len(mini[run[0]]["prompt_ids"])
+        else:  # sequences: every rank runs as many micro-batches
+            cost = [1] * len(mini)
+        total, done = sum(cost), 0
+        for i, c in enumerate(cost):  # the rank whose share holds the middle of the sample's load
+            owner[m * size + i] = min(int((done + c / 2) * world() / total), world() - 1)
+            done += c
+    return owner
 
 
 def distribute(samples, cfg):
     """Move each kept sample's tokens from the rank that generated it to the rank that trains it;
     the others keep a stub (metadata, reward, advantage). Returns the bytes this rank received."""
-    owner = trainer_ranks(len(samples), cfg)
+    owner = trainer_ranks(samples, cfg)
     outgoing = [[] for _ in range(world())]
     for i, (s, t) in enumerate(zip(samples, owner)):
         s["trainer"] = t
@@ -1290,7 +1307,8 @@ def sync_diff_stats(samples):
 
 
 # -----------------------------------------------------------------------------------------
-# The update's machinery: packed rows, the fp32 head, π_θold, lock-step micro-batches, statistics
+# The update's machinery: packed rows, shared prompts, the fp32 head, π_θold, lock-step micro-batches,
+# statistics
 
 def first_fit_decreasing(lengths, cap):
     """Bin packing: index lists of items (longest first) whose lengths add up to at most cap;
@@ -1308,54 +1326,93 @@ def first_fit_decreasing(lengths, cap):
     return bins
 
 
-def collate(samples, pad_id, device, one_row=False):
+def prompt_runs(samples, shared=True):
+    """Index lists of the consecutive samples that share one prompt (a group, or its part at hand):
+    --shared-prefix forwards each run's prompt once. One sample each when not shared."""
+    runs = []
+    for i, s in enumerate(samples):
+        if shared and runs and samples[runs[-1][0]]["prompt_ids"] == s["prompt_ids"]:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
+
+
+def collate(samples, pad_id, device, one_row=False, shared=False):
     """Packed rows, no compute on padding: sequences (prompt + response) bin-packed into rows as long as
     the longest (one_row: all in one, packs_one_row), position_ids restarting at 0 per sequence: from them
-    transformers reads the boundaries, and attention never crosses sequences. "index": the positions
-    predicting the response tokens "targets", "lengths" of them; "mask" (B, R): every response token,
+    transformers reads the boundaries, and attention never crosses sequences. shared (--shared-prefix): the
+    consecutive samples with one prompt (prompt_runs) form one sequence [prompt | response_1 | ... ], each
+    response's positions restarting after the prompt, where its own copy would have put them; per token
+    "segment" (its sequence) and "branch" (0: the prompt, k: response k) then say who sees whom
+    (prefix_mask). "index": the positions predicting the response tokens "targets" (the prompt's last
+    position predicts every response's first), "lengths" of them; "mask" (B, R): every response token,
     EOS included (never derived from pad ids)."""
-    lens = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
+    runs = prompt_runs(samples, shared)
+    lens = [len(samples[run[0]]["prompt_ids"]) + sum(len(samples[i]["response_ids"]) for i in run)
+            for run in runs]
     L = sum(lens) if one_row else max(lens)
     packed = first_fit_decreasing(lens, L)
     ids = torch.full((len(packed), L), pad_id, dtype=torch.long)
-    pos = torch.zeros_like(ids)
-    start = [0] * len(samples)  # flat position of the hidden state predicting sample i's first response token
+    pos, segment, branch = torch.zeros_like(ids), torch.zeros_like(ids), torch.zeros_like(ids)
+    index = [None] * len(samples)  # flat positions of the hidden states predicting sample i's tokens
     for r, row in enumerate(packed):
         at = 0
-        for i in row:
-            s = samples[i]
-            ids[r, at:at + lens[i]] = torch.tensor(list(s["prompt_ids"]) + list(s["response_ids"]))
-            pos[r, at:at + lens[i]] = torch.arange(lens[i])
-            start[i] = r * L + at + len(s["prompt_ids"]) - 1
-            at += lens[i]
+        for k in row:
+            prompt = list(samples[runs[k][0]]["prompt_ids"])
+            P = len(prompt)
+            ids[r, at:at + P] = torch.tensor(prompt)
+            pos[r, at:at + P] = torch.arange(P)
+            segment[r, at:at + lens[k]] = k + 1  # 0: the row's tail
+            last, at = r * L + at + P - 1, at + P
+            for b, i in enumerate(runs[k], 1):
+                response = list(samples[i]["response_ids"])
+                n = len(response)
+                ids[r, at:at + n] = torch.tensor(response)
+                pos[r, at:at + n] = torch.arange(P, P + n)
+                branch[r, at:at + n] = b
+                index[i] = torch.arange(n) + r * L + at - 1
+                index[i][:1] = last  # the prompt's last hidden state predicts the first token
+                at += n
         pos[r, at:] = torch.arange(L - at)  # the row's tail: a pad sequence of its own
     n = [len(s["response_ids"]) for s in samples]
-    index = torch.cat([torch.arange(k) + st for k, st in zip(n, start)])
     mask = (torch.arange(max(n)) < torch.tensor(n)[:, None]).float()
     targets = torch.cat([torch.tensor(list(s["response_ids"]), dtype=torch.long) for s in samples])
-    return {"input_ids": ids.to(device), "position_ids": pos.to(device), "index": index.to(device),
-            "targets": targets.to(device), "lengths": n, "mask": mask.to(device)}
+    batch = {"input_ids": ids.to(device), "position_ids": pos.to(device), "index": torch.cat(index).to(device),
+             "targets": targets.to(device), "lengths": n, "mask": mask.to(device)}
+    if len(runs) < len(samples):  # a prompt is shared: position_ids alone cannot say who sees whom
+        batch.update(segment=segment.to(device), branch=branch.to(device))
+    return batch
 
 
-def pack_by_tokens(samples, budget):
-    """Micro-batches of at most `budget` real tokens (prompts + responses): packed rows compute
-    nothing else but row tails."""
-    bins = first_fit_decreasing([len(s["prompt_ids"]) + s["len"] for s in samples], budget)
-    return [[samples[i] for i in b] for b in bins]
+def pack_by_tokens(samples, budget, shared=False):
+    """Micro-batches of at most `budget` real tokens (prompts + responses; shared: a prompt once per run of
+    its group, prompt_runs): packed rows compute nothing else but row tails. A run over the budget is cut
+    into parts that fit, each with its own copy of the prompt; a sequence over it stands alone."""
+    parts, cost = [], []
+    for run in prompt_runs(samples, shared):
+        for i in run:
+            if i == run[0] or cost[-1] + samples[i]["len"] > budget:
+                parts.append([])
+                cost.append(len(samples[i]["prompt_ids"]))
+            parts[-1].append(i)
+            cost[-1] += samples[i]["len"]
+    return [[samples[i] for k in b for i in parts[k]] for b in first_fit_decreasing(cost, budget)]
 
 
 def micro_batches(samples, cfg):
-    """The μ mini-batches (all ranks' samples; others' are stubs) and this rank's share of each as
-    micro-batches. Every rank runs the same number of forward passes (FSDP's collectives pair up):
-    one with fewer runs extra ones on a zero-weight pad sample of 1 + 1 tokens."""
-    owner = trainer_ranks(len(samples), cfg)  # rank r trains its r::world() share of a mini-batch
+    """The μ mini-batches (all ranks' samples; others' are stubs) and this rank's share of each
+    (trainer_ranks) as micro-batches of --micro-batch-size sequences or --micro-batch-tokens real tokens.
+    Every rank runs the same number of forward passes (FSDP's collectives pair up): one with fewer runs
+    extra ones on a zero-weight pad sample of 1 + 1 tokens."""
+    owner = trainer_ranks(samples, cfg)
     size = len(samples) // cfg.num_mini_batches
     minis, my_micros = [], []
     for m in range(cfg.num_mini_batches):
         mini = samples[m * size:(m + 1) * size]
         shares = [[s for s, t in zip(mini, owner[m * size:]) if t == r] for r in range(world())]
         if cfg.micro_batch_tokens:
-            cuts = [pack_by_tokens(share, cfg.micro_batch_tokens) for share in shares]
+            cuts = [pack_by_tokens(share, cfg.micro_batch_tokens, cfg.shared_prefix) for share in shares]
         else:
             step = cfg.micro_batch_size
             cuts = [[share[j:j + step] for j in range(0, len(share), step)] for share in shares]
@@ -1368,13 +1425,41 @@ def micro_batches(samples, cfg):
     return minis, my_micros
 
 
+def prefix_mask(segment, branch):
+    """--shared-prefix's attention mask as flex attention's mask_mod (b: row, h: head, q: query, kv: key
+    positions): q sees kv at or before it in its own sequence, where kv is in the prompt (branch 0) or in
+    q's own response, never in another response. sdpa's dense mask is this function on every (q, kv)."""
+    def mask_mod(b, h, q, kv):
+        sees = (branch[b, kv] == 0) | (branch[b, kv] == branch[b, q])
+        return (kv <= q) & (segment[b, q] == segment[b, kv]) & sees
+    return mask_mod
+
+
+def shared_prefix_mask(model, batch):
+    """The attention mask of a batch whose prompts are shared (collate), as the model's attention takes it:
+    flex's BlockMask (block-sparse, built on the device) or sdpa's (B, 1, L, L) boolean mask, both from
+    prefix_mask; transformers takes a 4D mask as given (masking_utils._preprocess_mask_arguments). None
+    when nothing is shared: transformers reads the boundaries from position_ids."""
+    if "segment" not in batch:
+        return None
+    segment, kind = batch["segment"], model.config._attn_implementation
+    (B, L), mask_mod = segment.shape, prefix_mask(segment, batch["branch"])
+    if kind == "flex_attention":  # compiled, as transformers builds its own: no (L, L) tensor
+        from torch.nn.attention.flex_attention import create_block_mask
+        return torch.compile(create_block_mask)(mask_mod, B, None, L, L, device=segment.device)
+    if kind != "sdpa":  # flash attention takes no mask; eager would add a boolean one
+        raise DapoError(f"--shared-prefix needs sdpa or flex attention, not {kind}: pass --no-shared-prefix")
+    i = torch.arange(L, device=segment.device)
+    return mask_mod(torch.arange(B, device=segment.device)[:, None, None, None], None, i[:, None], i[None])
+
+
 def forward_logprobs(model, batch, temperature, chunk):
     """(B, R) log-probs and entropies of the response tokens: the decoder on packed rows, then the
     fused fp32 head on the response-predicting positions only. An FSDP forward method (load_policy)."""
     # use_cache=False: with a KV cache transformers skips packed-row detection, and attention
-    # would silently leak across the sequences of a row
+    # would silently leak across the sequences of a row (a shared prompt brings its own mask)
     hidden = model.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                         attention_mask=None, use_cache=False).last_hidden_state
+                         attention_mask=shared_prefix_mask(model, batch), use_cache=False).last_hidden_state
     hidden = hidden.flatten(0, 1)[batch["index"]].unsqueeze(0)  # (1, N, h): the N response tokens
     lp, ent = token_logprobs(hidden, model.lm_head.weight, batch["targets"].unsqueeze(0), temperature, chunk)
     # back to (B, R), zeros beyond each response
@@ -1424,7 +1509,7 @@ def old_logprobs(run, my_micros):
     with torch.no_grad():
         for m, micros in enumerate(my_micros):
             for mb in micros if m >= policy_from or cfg.kl_coef else []:
-                batch = collate(mb, run.pad_id, run.device, packs_one_row(cfg))
+                batch = collate(mb, run.pad_id, run.device, packs_one_row(cfg), cfg.shared_prefix)
                 if m >= policy_from:
                     lp, ent = run.model.forward_logprobs(batch, cfg.temperature, cfg.logprob_chunk)
                     for s, row, e in zip(mb, lp, ent):
@@ -1501,7 +1586,8 @@ OVER = {"prob/old_at_clip_high": "clip/high_frac", "prob/low_up_ratio": "prob/lo
 
 def update_metrics(run, totals, grad_norms, skipped, my_micros, sync):
     """update_policy's metrics: the statistics' sums over every rank, divided by the trained tokens (or,
-    *_seq_frac, sequences) of the stepped mini-batches; the loss per step; the sync gap; the padding."""
+    *_seq_frac, sequences) of the stepped mini-batches; the loss per step; the sync gap; the padding; the
+    real tokens of one pass over the batch (a shared prompt once per micro-batch it is in)."""
     keys = sorted(totals)
     summed = torch.tensor([totals[k] for k in keys], dtype=torch.float64)
     torch.distributed.all_reduce(summed)
@@ -1512,13 +1598,15 @@ def update_metrics(run, totals, grad_norms, skipped, my_micros, sync):
         value = stats.pop(k, None)
         if value is not None and stats[share] > 0:
             stats[k] = value / stats[share]
-    micro = [mb for micros in my_micros for mb in micros]
-    padding = torch.tensor(sum(1 for mb in micro if mb[0].get("dummy")))
-    torch.distributed.all_reduce(padding)
+    micro = [mb for micros in my_micros for mb in micros if not mb[0].get("dummy")]
+    forwarded = sum(len(mb[r[0]]["prompt_ids"]) + sum(mb[i]["len"] for i in r)
+                    for mb in micro for r in prompt_runs(mb, run.cfg.shared_prefix))
+    counts = torch.tensor([sum(map(len, my_micros)) - len(micro), forwarded])  # padding, tokens
+    torch.distributed.all_reduce(counts)
     return {"loss": total["loss"] / max(len(grad_norms), 1), **stats,
             "grad_norm": sum(grad_norms) / max(len(grad_norms), 1), "nonfinite/skipped": skipped,
-            "nonfinite/streak": run.state["nonfinite_streak"], "update/padding_micro_batches": padding.item(),
-            **sync}
+            "nonfinite/streak": run.state["nonfinite_streak"], "update/padding_micro_batches": counts[0].item(),
+            "update/tokens": counts[1].item(), **sync}
 
 
 def check_sync(run, my_micros):
@@ -1567,6 +1655,18 @@ def bf16(cfg):
 def attention(cfg):
     """The trainer's attention kernel: --attn-impl, or flex_attention on CUDA and sdpa on CPU."""
     return cfg.attn_impl or ("flex_attention" if torch.cuda.is_available() else "sdpa")
+
+
+def shared_prefix_off(cfg, config=None):
+    """Why --shared-prefix cannot be exact with this attention or model (`config`: its transformers config),
+    or "": flash attention takes no mask, and the mask given would replace a sliding window's."""
+    if attention(cfg) == "flash_attention_2":
+        return "flash attention takes no attention mask"
+    kinds = getattr(config, "layer_types", None)  # each layer's, where the config has them
+    windowed = "sliding_attention" in kinds if kinds else getattr(config, "sliding_window", None)
+    if windowed:
+        return "the model's sliding-window attention would be replaced by the prompt-sharing mask"
+    return ""
 
 
 def packs_one_row(cfg):
@@ -1733,7 +1833,8 @@ RESUMABLE = {"steps", "out_dir", "resume", "eval_only", "eval_every", "eval_samp
              "wandb_project", "reward_timeout", "reward_workers", "cpu_kv_cache_gb", "gpu_memory_utilization",
              "vllm_sleep", "save_dtype", "hf_shard_gb", "attn_impl", "max_sync_diff", "deterministic",
              "max_gen_batches", "max_nonfinite", "collective_timeout_min", "micro_batch_size", "micro_batch_tokens",
-             "logprob_chunk", "grad_checkpointing", "cpu_offload", "memory_check"}
+             "logprob_chunk", "grad_checkpointing", "cpu_offload", "memory_check",
+             "shared_prefix"}
 CHANGES_THE_RUN = {"lr", "group_size", "gen_batch_size", "dynamic_sampling"}
 
 
@@ -1949,8 +2050,9 @@ def preflight(cfg):
     if note:
         print0(note)
     from lib import demo_model
+    config = None
     if cfg.model:
-        check_model(cfg.model, cfg.max_prompt_len + cfg.max_response_len)
+        config = check_model(cfg.model, cfg.max_prompt_len + cfg.max_response_len)
     elif cfg.max_prompt_len + cfg.max_response_len > demo_model.MAX_POSITIONS:
         raise DapoError(f"--max-prompt-len {cfg.max_prompt_len} + --max-response-len {cfg.max_response_len} exceeds "
                         f"the built-in demo model's {demo_model.MAX_POSITIONS} positions: lower them, or pass --model")
@@ -1960,6 +2062,10 @@ def preflight(cfg):
         problem = plan.refusal(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)), gpu / 1e9)
         if problem:
             raise DapoError(problem)
+    off = cfg.shared_prefix and shared_prefix_off(cfg, config)
+    if off:  # the resolved config says so (run.json); a resume resolves it again
+        print0(f"note: --shared-prefix is off: {off}; each response forwards its own copy of the prompt")
+        cfg.shared_prefix = False
     own = cfg.reward != reward.MATH  # a reward of one's own takes any ground truth (a dict, a list)
     if cfg.train_data:  # every row read and checked now: a second, where vLLM takes minutes
         train, held = load_data(cfg.train_data, cfg.dedup, own), []

@@ -41,8 +41,9 @@ GRAD_RTOL = 1e-5
 
 
 # The gradients the CPU tests compare, by ranks: _grads computes a model's whole list in one launch
-GRAD_RUNS = {1: [(8, 0, 0, 0, 1), (8,), (4, 0, 1), (8, 0, 0, 1), (8, 0, 0, 0, 1, 0, 1)],
-             2: [(2, 0, 0, 0, 1), (8, 24, 0), (8, 24, 0, 0, 0, 1), (2, 0, 0, 0, 1, 0, 1)]}
+GRAD_RUNS = {1: [(8, 0, 0, 0, 1), (8,), (4, 0, 1), (8, 0, 0, 1), (8, 0, 0, 0, 1, 0, 1), (8, 0, 0, 0, 1, 0, 0, 1),
+                 (8, 0, 0, 0, 1, 0, 1, 1)],
+             2: [(2, 0, 0, 0, 1), (8, 28, 0), (8, 28, 0, 0, 0, 1), (2, 0, 0, 0, 1, 0, 1)]}
 
 
 _GRADS = {}  # (model, _gradient's arguments, ranks) -> (gradients, stdout): tests that need the same run share it
@@ -119,7 +120,7 @@ def _stub_sample_fn(G, uniform=lambda i: i % 3 != 2):
 
 
 def _grad_worker(model_dir, out_dir, *runs):
-    """Run under torchrun (or alone): for each run (its _gradient arguments, as "8 24 0"), the gradient
+    """Run under torchrun (or alone): for each run (its _gradient arguments, as "8 28 0"), the gradient
     to out_dir/<i>.pt, its stdout after a line "== run <i>". One process serves several runs: each start
     costs more than a run."""
     device = dapo.init_distributed()
@@ -138,9 +139,11 @@ def _grad_worker(model_dir, out_dir, *runs):
 
 
 def _gradient(model_dir, device, micro_batch_size, micro_batch_tokens=0, grad_checkpointing=0, padded=0,
-              variants=0, one_row=0, lora=0):
-    """The gradient of one mini-batch through FSDP2, of every parameter that has one.
-    padded=1: through the padded layout of _padded_collate (the reference for packed rows).
+              variants=0, one_row=0, lora=0, plain=0):
+    """The gradient of one mini-batch through FSDP2, of every parameter that has one: 3 groups sharing prompts
+    of 3, 6 and 2 tokens (3, 3 and 2 responses), each forwarded once (--shared-prefix).
+    plain=1: a copy of the prompt per response (--no-shared-prefix), the reference for shared prompts.
+    padded=1: through the padded layout of _padded_collate (the reference for packed rows; no sharing).
     variants=1: {name: gradient} for every --loss variant, each with its preset, then each of KNOBS
     (vLLM's log-probs, the reference's and π_θold's entropies are made up, a little off π_θold).
     one_row=1: every sequence of a micro-batch in one row, the layout flex/flash attention get on GPU.
@@ -156,13 +159,14 @@ def _gradient(model_dir, device, micro_batch_size, micro_batch_tokens=0, grad_ch
     def recording(mb, *a, **k):   # what layout each micro-batch ran in: the test checks the swap took effect
         batch = collate(mb, *a, **k)
         if sum(not s.get("dummy") for s in mb) > 1:   # one sequence is one row in every layout
-            layouts.add("padded" if "attention_mask" in batch else "one row" if len(batch["input_ids"]) == 1
-                        else "packed rows")
+            layouts.add(("padded" if "attention_mask" in batch else "one row" if len(batch["input_ids"]) == 1
+                         else "packed rows") + (", shared" if "segment" in batch else ""))
         return batch
     dapo.collate = recording
     cfg = dapo.Config(micro_batch_size=micro_batch_size, num_mini_batches=1, logprob_chunk=3, max_response_len=16,
                       overlong_filtering=True, micro_batch_tokens=micro_batch_tokens,
-                      grad_checkpointing=bool(grad_checkpointing), lora_rank=1 if lora else 0, lora_alpha=1.0)
+                      grad_checkpointing=bool(grad_checkpointing), lora_rank=1 if lora else 0, lora_alpha=1.0,
+                      shared_prefix=not plain)
     torch.manual_seed(0)
     model = dapo.load_policy(cfg, model_dir, device)
     print("use_cache", model.config.use_cache)
@@ -176,10 +180,13 @@ def _gradient(model_dir, device, micro_batch_size, micro_batch_tokens=0, grad_ch
                     p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local())
     rng = random.Random(0)
     samples = []
-    for i in range(8):   # unequal lengths (rank 0's share long, rank 1's short), one truncated sample
-        resp = [rng.randrange(3, 20) for _ in range(rng.randint(8, 14) if i % 2 == 0 else rng.randint(1, 3))] + [1]
-        samples.append({"prompt_ids": [rng.randrange(3, 20) for _ in range(rng.randint(2, 5))],
-                        "response_ids": resp, "len": len(resp), "truncated": i == 5, "adv": rng.gauss(0, 1)})
+    for g, (n, prompt_len) in enumerate(((3, 3), (3, 6), (2, 2))):   # one truncated sample
+        prompt = [rng.randrange(3, 20) for _ in range(prompt_len)]
+        for k in range(n):   # group 0's first two responses long, the rest short
+            i, long = len(samples), g == 0 and k < 2
+            resp = [rng.randrange(3, 20) for _ in range(rng.randint(8, 14) if long else rng.randint(1, 3))] + [1]
+            samples.append({"row": g, "prompt_ids": prompt, "response_ids": resp, "len": len(resp),
+                            "truncated": i == 5, "adv": rng.gauss(0, 1)})
     for s in samples:   # an "old" policy a little off the current one, so clipping happens
         s["old_logp"] = torch.tensor([rng.gauss(-3.0, 0.5) for _ in s["response_ids"]])
     extra = random.Random(1)
@@ -191,9 +198,10 @@ def _gradient(model_dir, device, micro_batch_size, micro_batch_tokens=0, grad_ch
     minis, plan = dapo.micro_batches(samples, cfg)
     if not micro_batch_tokens:
         assert len(plan[0]) == 8 // dapo.world() // micro_batch_size
-    counts = dapo.all_gather_objects([0 if mb[0].get("dummy") else len(mb) for mb in plan[0]])[0]
-    if dapo.rank() == 0:   # one line: the ranks' own prints could interleave in the shared pipe
-        print("micro-batches per rank", json.dumps({str(r): c for r, c in enumerate(counts)}), flush=True)
+    groups = dapo.all_gather_objects([[s["row"] for s in mb if not s.get("dummy")] for mb in plan[0]])[0]
+    if dapo.rank() == 0:   # one line each: the ranks' own prints could interleave in the shared pipe
+        print("micro-batches per rank", json.dumps({str(r): [len(mb) for mb in c] for r, c in enumerate(groups)}))
+        print("groups per micro-batch", json.dumps({str(r): c for r, c in enumerate(groups)}), flush=True)
     out = {}
     runs = {loss: dict(loss=loss, **dapo.OBJECTIVES[loss].get("preset", {})) for loss in dapo.OBJECTIVES}
     for name, knob in {**runs, **KNOBS}.items() if variants else [(cfg.loss, {})]:
@@ -247,13 +255,15 @@ def _dcp_model(ckpt):
 
 
 def _update_samples(n=8, seed=0):
+    """n samples in groups of 2 (each pair shares its prompt)."""
     import random
     rng = random.Random(seed)
     samples = []
     for i in range(n):
         resp = [rng.randrange(3, 20) for _ in range(rng.randint(2, 9))] + [1]
-        samples.append({"prompt_ids": [rng.randrange(3, 20) for _ in range(rng.randint(2, 5))], "response_ids": resp,
-                        "len": len(resp), "truncated": False, "adv": rng.gauss(0, 1), "vllm_logp": [-3.0] * len(resp)})
+        prompt = samples[-1]["prompt_ids"] if i % 2 else [rng.randrange(3, 20) for _ in range(rng.randint(2, 5))]
+        samples.append({"prompt_ids": prompt, "response_ids": resp, "len": len(resp), "truncated": False,
+                        "adv": rng.gauss(0, 1), "vllm_logp": [-3.0] * len(resp)})
     return samples
 
 
@@ -262,7 +272,7 @@ def _pg_run(model, cfg, device):
     return types.SimpleNamespace(cfg=cfg, model=model, pad_id=0, device=device)
 
 
-def _padded_collate(samples, pad_id, device, one_row=False):
+def _padded_collate(samples, pad_id, device, one_row=False, shared=False):
     """A padded layout, the reference for packed rows: left-padded prompts, right-padded
     responses, an attention mask and position_ids = cumsum - 1 (as vLLM numbers them)."""
     P = max(len(s["prompt_ids"]) for s in samples)

@@ -6,6 +6,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import json
 import re
 import shutil
+import types
 import pytest
 import torch
 from lib import interrupt
@@ -48,9 +49,10 @@ pytestmark = pytest.mark.timeout(1200, method="thread")  # the subprocess helper
 def test_gradient_2_ranks_x_2_micro_batches_equals_1_process(tiny_model, tmp_path):
     """For every --loss variant (with its preset) and every knob of KNOBS: the exact global normaliser
     makes 2 ranks x 2 micro-batches give the gradient of 1 process and 1 micro-batch, within GRAD_RTOL of each
-    gradient's largest entry. The choices made over the whole mini-batch are made alike: the entropy threshold
-    over both ranks' tokens, and Clip-Cov's and KL-Cov's tokens (select_tokens), which verl picks per
-    micro-batch."""
+    gradient's largest entry; the groups' shared prompts are forwarded once per part, a group cut across
+    micro-batches and another across ranks. The choices made over the whole mini-batch are made alike: the
+    entropy threshold over both ranks' tokens, and Clip-Cov's and KL-Cov's tokens (select_tokens), which verl
+    picks per micro-batch."""
     (v1, _), (v2, _) = _grads(tiny_model, tmp_path, 8, 0, 0, 0, 1), _grads(tiny_model, tmp_path, 2, 0, 0, 0, 1, nproc=2)
     assert list(v1) == list(v2) == list(dapo.OBJECTIVES) + list(KNOBS) and "sapo" in v1
     assert [k for k, e in dapo.OBJECTIVES.items() if e.get("picks")] == ["clip_cov", "kl_cov"]
@@ -66,9 +68,9 @@ def test_gradient_2_ranks_x_2_micro_batches_equals_1_process(tiny_model, tmp_pat
 
 def test_token_budget_and_checkpointing_give_the_same_gradient(tiny_model, tmp_path):
     plain, _ = _grads(tiny_model, tmp_path, 8)
-    # a budget of 24 padded tokens: sequences of 4..12 tokens pack 1-4 to a micro-batch, and the
-    # two ranks end up with different counts, so one of them runs a zero-weight extra micro-batch
-    budget, out = _grads(tiny_model, tmp_path, 8, 24, 0, nproc=2)
+    # a budget of 28 real tokens: group 0's two long responses (3 + 11 and 3 + 15 tokens) are cut apart on
+    # rank 0, the rest (27 tokens) fits one micro-batch on rank 1, which then runs a zero-weight extra one
+    budget, out = _grads(tiny_model, tmp_path, 8, 28, 0, nproc=2)
     counts = json.loads(re.search(r"micro-batches per rank (\{.*\})", out).group(1))
     assert len(counts["0"]) == len(counts["1"]) and 0 in counts["1"]   # rank 1 runs zero-weight extras (0)
     ckpt, _ = _grads(tiny_model, tmp_path, 4, 0, 1)
@@ -82,19 +84,244 @@ def test_packed_gradient_equals_the_padded_path(tiny_model, tmp_path):
     """The gradient of one mini-batch through FSDP2 with packed rows equals the padded layout's
     (the reference above, run through the same policy_gradient), in one process and on 2 ranks
     with a budget of real tokens, also with every sequence of a micro-batch in one row (the layout
-    flex and flash attention get on GPU; sdpa computes it here); the policy has the KV cache off."""
+    flex and flash attention get on GPU; sdpa computes it here); the policy has the KV cache off. The
+    packed layouts forward each group's prompt once (--shared-prefix), the padded one a copy per response."""
     padded, out = _grads(tiny_model, tmp_path, 8, 0, 0, 1)
     assert "use_cache False" in out and 'layouts ["padded"]' in out    # the reference's layout really ran
     packed, out_packed = _grads(tiny_model, tmp_path, 8)
-    ranks, out_ranks = _grads(tiny_model, tmp_path, 8, 24, 0, nproc=2)
-    one_row, out_one = _grads(tiny_model, tmp_path, 8, 24, 0, 0, 0, 1, nproc=2)
-    assert 'layouts ["packed rows"]' in out_packed and 'layouts ["packed rows"]' in out_ranks
-    assert '"one row"' in out_one and "padded" not in out_one and "packed rows" not in out_one
-    for name, g in (("packed, 1 process", packed), ("packed, 2 ranks, 24-token budget", ranks),
-                    ("one row per micro-batch (the GPU layout), 2 ranks, 24-token budget", one_row)):
+    ranks, out_ranks = _grads(tiny_model, tmp_path, 8, 28, 0, nproc=2)
+    one_row, out_one = _grads(tiny_model, tmp_path, 8, 28, 0, 0, 0, 1, nproc=2)
+    assert 'layouts ["packed rows, shared"]' in out_packed and 'layouts ["packed rows, shared"]' in out_ranks
+    assert 'layouts ["one row, shared"]' in out_one
+    for name, g in (("packed, 1 process", packed), ("packed, 2 ranks, 28-token budget", ranks),
+                    ("one row per micro-batch (the GPU layout), 2 ranks, 28-token budget", one_row)):
         worst, scale = _relative_gap(padded, g)
         print(f"{name}: max |grad - padded grad| = {worst:.1e} of the largest entry {scale:.2e}")
         assert worst < GRAD_RTOL and scale > 1e-3
+
+
+def test_shared_prompts_give_the_plain_gradient_for_every_objective_with_and_without_lora(tiny_model, tmp_path):
+    """--shared-prefix (a group's prompt forwarded once, its responses attending to it) against a copy of the
+    prompt per response (--no-shared-prefix), through FSDP2 and policy_gradient, for every --loss (GSPO's
+    sequence-level ratio among them) and knob of KNOBS (--top-entropy-quantile among them), without and with
+    LoRA: 3 groups with prompts of 3, 6 and 2 tokens, in one process (one micro-batch holding every group)
+    and on 2 ranks x 2 micro-batches (group 0 cut across micro-batches, group 1 across ranks), within GRAD_RTOL
+    of the largest entry. Clip-Cov and KL-Cov pick their tokens per micro-batch: on 2 ranks they are left out,
+    as in the 2-ranks test."""
+    by_layout = [k for k, e in dapo.OBJECTIVES.items() if e.get("per_micro_batch")]
+    for lora in (0, 1):
+        plain, out_plain = _grads(tiny_model, tmp_path, 8, 0, 0, 0, 1, 0, lora, 1)
+        shared, out_shared = _grads(tiny_model, tmp_path, 8, 0, 0, 0, 1, 0, lora)
+        ranks, out_ranks = _grads(tiny_model, tmp_path, 2, 0, 0, 0, 1, 0, lora, nproc=2)
+        assert 'layouts ["packed rows"]' in out_plain   # the reference really ran without sharing
+        assert 'layouts ["packed rows, shared"]' in out_shared and '"one row, shared"' in out_ranks   # a pair: a row
+        split = json.loads(re.search(r"groups per micro-batch (\{.*\})", out_ranks).group(1))
+        assert split == {"0": [[0, 0], [0, 1]], "1": [[1, 1], [2, 2]]}
+        assert list(plain) == list(shared) == list(ranks) == list(dapo.OBJECTIVES) + list(KNOBS)
+        for loss in plain:
+            for name, g in (("1 process", shared), ("2 ranks x 2 micro-batches", ranks)):
+                worst, scale = _relative_gap(plain[loss], g[loss])
+                print(f"{'LoRA, ' * lora}{loss}, {name}: max |grad(shared prompts) - grad(a copy per response)| = "
+                      f"{worst:.1e} of the largest entry {scale:.2e}")
+                assert scale > 1e-4 and (worst < GRAD_RTOL or (name != "1 process" and loss in by_layout))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_shared_prompts_give_the_plain_log_probs_and_gradients(arch):
+    """The demo's architecture (Qwen2) and SmolLM2's (Llama, grouped KV heads), fp32, sdpa: 4 groups with
+    prompts of 7, 2, 12 and 4 tokens (one group of a single response, which shares nothing), forwarded with
+    each prompt once give each response the log-probs, entropies and parameter gradient of a copy of the
+    prompt per response: in rows (the CPU layout; one row holds two groups) and all in one row (the GPU
+    layout, here through sdpa)."""
+    model = _tiny_causal_lm(arch)
+    samples = _grouped_samples(((7, [5, 9, 3, 12]), (2, [4, 1, 8]), (12, [6]), (4, [10, 2])))
+    plain = _logprobs_and_grads(model, samples, shared=False)
+    copies = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
+    once = 7 + 2 + 12 + 4 + sum(len(s["response_ids"]) for s in samples)
+    for one_row in (False, True):
+        shared = _logprobs_and_grads(model, samples, shared=True, one_row=one_row)
+        segment = shared[3]["segment"]
+        if not one_row:   # a row of two groups
+            assert max(len(set(row.tolist()) - {0}) for row in segment) == 2
+        logp, grad = _shared_gaps(shared, plain)
+        print(f"{arch}, {'one row' if one_row else 'rows'}: {once} real tokens forwarded ({copies} with a copy of the "
+              f"prompt per response); max |log-prob| difference {logp:.1e}, gradient {grad:.1e} of the largest entry")
+        assert logp < 1e-5 and grad < GRAD_RTOL and (segment > 0).sum() == once
+        assert (shared[1] - plain[1])[plain[3]["mask"].bool()].abs().max() < 1e-5   # the entropies
+
+
+def test_a_wrong_shared_prompt_mask_fails_the_check(monkeypatch):
+    """The check of test_shared_prompts_give_the_plain_log_probs_and_gradients fails by far with a wrong
+    mask: responses that also see the earlier responses of their group, or no mask at all (position_ids
+    alone: the second response on restarts its positions and so sees no prompt)."""
+    model = _tiny_causal_lm("qwen2")
+    samples = _grouped_samples(((7, [5, 9, 3, 12]), (2, [4, 1, 8]), (12, [6]), (4, [10, 2])))
+    plain = _logprobs_and_grads(model, samples, shared=False)
+
+    def sees_the_other_responses(segment, branch):
+        return lambda b, h, q, kv: (kv <= q) & (segment[b, q] == segment[b, kv])
+    with monkeypatch.context() as m:
+        m.setattr(dapo, "prefix_mask", sees_the_other_responses)
+        leaky = _shared_gaps(_logprobs_and_grads(model, samples, shared=True), plain)
+    with monkeypatch.context() as m:
+        m.setattr(dapo, "shared_prefix_mask", lambda model, batch: None)
+        no_mask = _shared_gaps(_logprobs_and_grads(model, samples, shared=True), plain)
+    print(f"responses that see each other: log-prob {leaky[0]:.2f} nats, gradient {leaky[1]:.1e} of the largest "
+          f"entry; no mask: {no_mask[0]:.2f} nats, {no_mask[1]:.1e}")
+    assert min(leaky + no_mask) > 1e-2
+
+
+def test_flex_block_mask_is_the_sdpa_mask_and_gives_its_log_probs():
+    """The GPU path (flex attention's BlockMask over one row), on CPU: prefix_mask evaluated as flex evaluates
+    a mask_mod (torch's create_mask: vmap over every (q, kv)) is sdpa's boolean matrix; the BlockMask
+    skips the 128 x 128 blocks that mix two sequences or two responses; and flex's forward (torch 2.13 has no
+    flex backward on CPU) gives the log-probs of sdpa with a copy of the prompt per response, within 1e-5."""
+    from torch.nn.attention.flex_attention import BlockMask, create_mask
+    samples = _grouped_samples(((150, [30, 200, 41, 90]), (60, [140, 21]), (20, [35])))   # ~790 tokens
+    model = _tiny_causal_lm("qwen2")
+    batch = dapo.collate(samples, 0, "cpu", one_row=True, shared=True)
+    L = batch["input_ids"].shape[1]
+    dense = dapo.shared_prefix_mask(model, batch)
+    assert dense.shape == (1, 1, L, L) and dense.dtype == torch.bool
+    assert torch.equal(create_mask(dapo.prefix_mask(batch["segment"], batch["branch"]), 1, 1, L, L, "cpu"), dense)
+    assert torch.equal(dense[0, 0], _hand_mask(samples))
+    with torch.no_grad():
+        plain, _ = dapo.forward_logprobs(model, dapo.collate(samples, 0, "cpu"), 1.0, 64)
+        model.config._attn_implementation = "flex_attention"
+        block = dapo.shared_prefix_mask(model, batch)
+        flex, _ = dapo.forward_logprobs(model, batch, 1.0, 64)
+    blocks = -(-L // 128)
+    causal = blocks * (blocks + 1) // 2
+    kept = (block.kv_num_blocks + block.full_kv_num_blocks).sum().item()
+    worst = (flex - plain)[batch["mask"].bool()].abs().max().item()
+    print(f"one row of {L} tokens: the BlockMask computes {kept} of the {causal} causal 128 x 128 blocks; "
+          f"max |flex (shared) - sdpa (a copy per response)| {worst:.1e}")
+    assert isinstance(block, BlockMask) and kept < causal and worst < 1e-5
+
+
+def test_shared_prompts_in_bf16_stay_within_bf16s_own_rounding():
+    """bf16 (weights and compute; --precision bf16 keeps fp32 master weights and head besides): the log-probs
+    and gradient with each prompt forwarded once differ from a copy per response by at most twice what bf16
+    itself moves the plain path from fp32 (log-probs: plus 1e-3 nats), on both architectures."""
+    samples = _grouped_samples(((7, [5, 9, 3, 12]), (2, [4, 1, 8]), (12, [6]), (4, [10, 2])))
+    for arch in ("qwen2", "llama"):
+        model = _tiny_causal_lm(arch)
+        fp32 = _logprobs_and_grads(model, samples, shared=False)
+        model.to(torch.bfloat16)
+        plain = _logprobs_and_grads(model, samples, shared=False)
+        shared = _logprobs_and_grads(model, samples, shared=True)
+        noise, err = _shared_gaps(plain, fp32), _shared_gaps(shared, plain)
+        print(f"{arch} in bf16: shared - plain: log-prob {err[0]:.1e} nats, gradient {err[1]:.1e} of the largest "
+              f"entry; bf16 - fp32 (plain): {noise[0]:.1e}, {noise[1]:.1e}")
+        assert err[0] <= 2 * noise[0] + 1e-3 and err[1] <= 2 * noise[1]
+
+
+def test_trainer_ranks_cut_a_mini_batch_into_consecutive_shares_of_equal_load(monkeypatch):
+    """On 3 ranks: each mini-batch's samples go in order to consecutive shares (a group stays whole unless a
+    cut falls inside it, at most 2 cuts), of equal sample counts with --micro-batch-size, of real tokens within
+    one sample's of a third with --micro-batch-tokens (a shared prompt counted once, a copy per sample without
+    sharing); every rank computes the same owners from the stubs' lengths alone."""
+    monkeypatch.setattr(dapo, "world", lambda: 3)
+    import random
+    rng = random.Random(0)
+    samples = []
+    for g in range(12):   # groups of 4, prompts of 5-60 tokens, responses of 1-200
+        prompt = [g] * rng.randint(5, 60)
+        samples += [{"prompt_ids": prompt, "len": rng.randint(1, 200)} for _ in range(4)]
+    for mode in ("micro_batch_size", "micro_batch_tokens", "no sharing"):
+        cfg = dapo.Config(num_mini_batches=2, micro_batch_tokens=0 if mode == "micro_batch_size" else 500,
+                          shared_prefix=mode != "no sharing")
+        owner = dapo.trainer_ranks(samples, cfg)
+        for m in range(2):
+            mine = owner[m * 24:(m + 1) * 24]
+            assert mine == sorted(mine) and set(mine) == {0, 1, 2}   # consecutive shares
+            mini = samples[m * 24:(m + 1) * 24]
+            if mode == "micro_batch_size":
+                assert [mine.count(r) for r in range(3)] == [8, 8, 8]
+                continue
+            cost = [s["len"] + len(s["prompt_ids"]) * (mode == "no sharing" or i % 4 == 0) for i, s in enumerate(mini)]
+            load = [sum(c for c, r in zip(cost, mine) if r == rank) for rank in range(3)]
+            print(f"{mode}, mini-batch {m}: tokens per rank {load} (a third: {sum(cost) / 3:.0f})")
+            assert max(abs(x - sum(cost) / 3) for x in load) <= max(cost)
+            cuts = sum(mine[i] != mine[i + 1] for i in range(23) if i % 4 != 3)   # within a group
+            assert cuts <= 2
+        stubs = [{"prompt_ids": s["prompt_ids"], "len": s["len"]} for s in samples]
+        assert dapo.trainer_ranks(stubs, cfg) == owner
+
+
+def test_pack_by_tokens_counts_a_shared_prompt_once_and_cuts_a_group_over_the_budget():
+    """--micro-batch-tokens with shared prompts, on the ladder's shapes (groups of 8, prompts of 100-150 tokens,
+    responses of 20-40) and a group whose responses are 150-250 long: a micro-batch's real tokens (each group
+    part's prompt once, its responses) stay within the budget; the group over it is cut into parts, each with
+    its own prompt; a sequence over it stands alone; every sample is in one micro-batch; collate forwards
+    exactly these tokens, fewer and in fewer micro-batches than with a copy of the prompt per response."""
+    import random
+    rng = random.Random(0)
+    samples = []
+    for g, (lo, hi) in enumerate([(20, 40)] * 5 + [(150, 250)]):
+        prompt = [g + 3] * rng.randint(100, 150)
+        samples += [{"prompt_ids": prompt, "response_ids": [7] * n, "len": n}
+                    for n in (rng.randint(lo, hi) for _ in range(8))]
+    samples.append({"prompt_ids": [2] * 30, "response_ids": [7] * 1100, "len": 1100})   # over the budget alone
+    packs = dapo.pack_by_tokens(samples, 1024, shared=True)
+    assert sorted(map(id, (s for p in packs for s in p))) == sorted(map(id, samples))
+    forwarded = 0
+    for p in packs:
+        runs = dapo.prompt_runs(p)
+        real = sum(len(p[r[0]]["prompt_ids"]) + sum(p[i]["len"] for i in r) for r in runs)
+        assert real <= 1024 or len(p) == 1
+        assert dapo.collate(p, 0, "cpu", one_row=True, shared=True)["input_ids"].shape[1] == real
+        forwarded += real
+    assert sum(p[0]["prompt_ids"][0] == 8 for p in packs) >= 2   # the long group (prompt token 8), cut
+    plain = dapo.pack_by_tokens(samples, 1024)
+    copies = sum(len(s["prompt_ids"]) + s["len"] for s in samples)
+    print(f"{len(samples)} samples: {len(packs)} micro-batches of <= 1024 real tokens, {forwarded} tokens, with "
+          f"shared prompts; {len(plain)} micro-batches, {copies} tokens, with a copy per response")
+    assert forwarded < copies and len(packs) < len(plain)
+
+
+def test_collate_with_shared_prompts_predicts_each_first_token_from_the_prompt():
+    """The shared layout: each response's positions restart where its prompt ends (as a copy of the prompt
+    would have them), its first token is predicted from the prompt's last position, its others from the
+    position before them in its own response; a micro-batch with no repeated prompt is the plain layout."""
+    samples = _grouped_samples(((3, [2, 4, 1]), (5, [3]), (2, [2, 2])), seed=3)
+    b = dapo.collate(samples, 0, "cpu", shared=True)
+    flat, pos, index = b["input_ids"].flatten(), b["position_ids"].flatten(), b["index"].tolist()
+    at = 0
+    for s in samples:
+        n, P = len(s["response_ids"]), len(s["prompt_ids"])
+        mine = index[at:at + n]   # the inputs that predict its tokens, at a copy's positions
+        assert flat[mine].tolist() == [s["prompt_ids"][-1]] + s["response_ids"][:-1]
+        assert pos[mine].tolist() == list(range(P - 1, P + n - 1))
+        at += n
+    assert torch.equal(b["targets"], torch.tensor([t for s in samples for t in s["response_ids"]]))
+    alone = [dict(s, prompt_ids=[i] + s["prompt_ids"]) for i, s in enumerate(samples)]   # no prompt repeats
+    assert dapo.collate(alone, 0, "cpu", shared=True).keys() == dapo.collate(alone, 0, "cpu").keys()
+    assert "segment" not in dapo.collate(alone, 0, "cpu", shared=True)
+
+
+def test_shared_prefix_is_off_where_the_attention_takes_no_such_mask(tmp_path, capsys):
+    """Flash attention takes no mask, and a mask given replaces a sliding window's: there --shared-prefix is
+    off, and preflight says so in a note and turns it off in the config the run records; a model whose
+    attention is neither sdpa nor flex refuses a shared batch in one line rather than mis-read its mask."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    assert dapo.shared_prefix_off(dapo.Config(attn_impl="flash_attention_2")) == "flash attention takes no attention mask"
+    assert dapo.shared_prefix_off(dapo.Config(attn_impl="flex_attention"), Qwen2Config()) == ""   # no window in use
+    assert dapo.shared_prefix_off(dapo.Config(), LlamaConfig()) == ""
+    for config in (Qwen2Config(use_sliding_window=True, sliding_window=64, max_window_layers=0),
+                   MistralConfig(sliding_window=4096)):
+        assert "sliding-window" in dapo.shared_prefix_off(dapo.Config(), config)
+    Qwen2Config(vocab_size=64, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                head_dim=64, use_sliding_window=True, sliding_window=64, max_window_layers=0).save_pretrained(tmp_path)
+    cfg = dapo.Config(model=str(tmp_path), max_prompt_len=16, max_response_len=8, overlong_cache_len=2)
+    dapo.preflight(cfg)
+    assert "note: --shared-prefix is off: the model's sliding-window" in capsys.readouterr().out
+    assert not cfg.shared_prefix
+    assert dapo.parse_config(["--no-shared-prefix"]).shared_prefix is False and dapo.Config().shared_prefix
+    eager = types.SimpleNamespace(config=types.SimpleNamespace(_attn_implementation="eager"))
+    batch = dapo.collate(_grouped_samples(((3, [2, 2]),)), 0, "cpu", shared=True)
+    with pytest.raises(dapo.DapoError, match="--no-shared-prefix"):
+        dapo.shared_prefix_mask(eager, batch)
 
 
 def test_packed_rows_never_attend_across_sequences():
@@ -177,12 +404,12 @@ def test_padding_micro_batches_are_one_prompt_and_one_response_token(monkeypatch
     """A rank with fewer micro-batches pads with the smallest sequence (1 + 1 tokens, zero
     weight), not a copy of a real sample that may be 22k tokens long."""
     monkeypatch.setattr(dapo, "world", lambda: 2)
-    monkeypatch.setattr(dapo, "rank", lambda: 1)
-    samples = [{"prompt_ids": [5] * 3, "response_ids": [7] * n, "len": n, "truncated": False, "adv": 1.0}
-               for n in (20, 1, 20, 1, 20, 1, 20, 1)]                        # rank 1 trains the short ones
+    monkeypatch.setattr(dapo, "rank", lambda: 0)
+    samples = [{"prompt_ids": [5 + i] * 3, "response_ids": [7] * n, "len": n, "truncated": False, "adv": 1.0}
+               for i, n in enumerate((60, 20, 20, 20))]   # half the tokens each: rank 0 trains the long one alone
     _, plan = dapo.micro_batches(samples, dapo.Config(num_mini_batches=1, micro_batch_tokens=24))
     pads = [mb for mb in plan[0] if mb[0].get("dummy")]
-    assert len(plan[0]) == 4 and len(pads) == 3                              # rank 0 needs 4 micro-batches
+    assert len(plan[0]) == 3 and len(pads) == 2                              # rank 1 needs 3 micro-batches
     for mb in pads:
         assert len(mb) == 1 and len(mb[0]["prompt_ids"]) == 1 and len(mb[0]["response_ids"]) == 1
         assert dapo.collate(mb, 0, "cpu")["input_ids"].numel() == 2
@@ -552,8 +779,7 @@ def _traffic_worker(out_path):
             trained = [s for s in samples if s["trainer"] == dapo.rank()]
             share = len(pickle.dumps([(s["response_ids"], s["vllm_logp"]) for s in trained]))
             # every rank trains on exactly the samples micro_batches gives it, with the generated tokens
-            size = len(samples) // cfg.num_mini_batches
-            want = [s for mm in range(cfg.num_mini_batches) for s in samples[mm * size:(mm + 1) * size][dapo.rank()::dapo.world()]]
+            want = [s for micros in dapo.micro_batches(samples, cfg)[1] for mb in micros for s in mb if not s.get("dummy")]
             assert trained == want
             everyone = [x for part in dapo.all_gather_objects(held)[0] for x in part]
             for s in trained:
@@ -624,6 +850,60 @@ def _sync_worker(model_dir, precision):
     print("after-update logp diff", (after - vllm_after).abs().max().item(),
           "moved", (moved - before).abs().max().item())
     torch.distributed.destroy_process_group()
+
+
+def _tiny_causal_lm(arch):
+    """A random 2-layer fp32 model under sdpa: Qwen2 (the demo's architecture) or Llama (SmolLM2's, its KV
+    heads shared by groups of 3 query heads)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(0)
+    if arch == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                            num_attention_heads=2, num_key_value_heads=2, head_dim=64,
+                                            max_position_embeddings=1024, attn_implementation="sdpa")).eval()
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
+                                        num_attention_heads=3, num_key_value_heads=1, head_dim=32,
+                                        attn_implementation="sdpa")).eval()
+
+
+def _grouped_samples(spec, seed=0, vocab=64):
+    """Samples in groups: spec holds (prompt length, [response lengths]) per group; random tokens."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for prompt_len, lens in spec:
+        prompt = torch.randint(3, vocab, (prompt_len,), generator=g).tolist()
+        out += [{"prompt_ids": prompt, "response_ids": torch.randint(3, vocab, (n,), generator=g).tolist()} for n in lens]
+    return out
+
+
+def _logprobs_and_grads(model, samples, shared, one_row=False):
+    """forward_logprobs of the samples in collate's layout: (log-probs, entropies, the gradient of the sum of the
+    log-probs by parameter name, the batch)."""
+    batch = dapo.collate(samples, 0, "cpu", one_row, shared)
+    model.zero_grad(set_to_none=True)
+    lp, ent = dapo.forward_logprobs(model, batch, 1.0, 7)
+    lp[batch["mask"].bool()].sum().backward()
+    return lp.detach().float(), ent.float(), {n: p.grad.float().clone() for n, p in model.named_parameters()}, batch
+
+
+def _shared_gaps(a, b):
+    """(the largest |log-prob| difference, the largest gradient difference over the largest entry) of a against b."""
+    mask = b[3]["mask"].bool()
+    return (a[0] - b[0])[mask].abs().max().item(), _relative_gap(b[2], a[2])[0]
+
+
+def _hand_mask(samples):
+    """Who sees whom in one row of the samples' groups, from the definition: a token sees the tokens at or
+    before it in its own group's sequence that are in the prompt or in its own response."""
+    owner = []   # (group, response or -1 for the prompt) of each token, in collate's one-row order
+    runs = dapo.prompt_runs(samples)
+    lens = [len(samples[r[0]]["prompt_ids"]) + sum(len(samples[i]["response_ids"]) for i in r) for r in runs]
+    for k in dapo.first_fit_decreasing(lens, sum(lens))[0]:
+        owner += [(k, -1)] * len(samples[runs[k][0]]["prompt_ids"])
+        for i in runs[k]:
+            owner += [(k, i)] * len(samples[i]["response_ids"])
+    return torch.tensor([[kv <= q and owner[q][0] == owner[kv][0] and owner[kv][1] in (-1, owner[q][1])
+                          for kv in range(len(owner))] for q in range(len(owner))])
 
 
 def _ragged_samples(n=9, seed=0):

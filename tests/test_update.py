@@ -195,12 +195,13 @@ def test_dual_clip_and_tis_act_through_the_real_policy_gradient(guards):
 
 def test_update_statistics_equal_their_hand_values(guards):
     """update_policy's statistics on policy at μ = 1: the loss is -Σ(A |y|) / tokens (Eq. 12), no token is
-    clipped, the KL is 0, the sync gap is vLLM's -3 against π_θold, no padding, nothing skipped."""
+    clipped, the KL is 0, the sync gap is vLLM's -3 against π_θold, no padding, nothing skipped; the real
+    tokens forwarded count each pair's shared prompt once."""
     for r in guards:
         st = r["stats"]
         assert st["loss"] == pytest.approx(st["want_loss"], abs=1e-6) and st["kl"] == 0 and st["clipped"] == 0
         assert st["gap"] == pytest.approx(st["want_gap"], rel=1e-6) and st["max"] == pytest.approx(st["want_max"], rel=1e-6)
-        assert st["padding"] == 0 and st["skipped"] == 0
+        assert st["padding"] == 0 and st["skipped"] == 0 and st["tokens"] == st["want_tokens"]
 
 
 def test_a_sync_gap_past_the_limit_stops_before_any_optimizer_step(guards):
@@ -227,11 +228,11 @@ def test_sec31_statistics_say_which_tokens_the_upper_clip_binds_on():
             _, stats = dapo.policy_loss(logp, old, torch.tensor([adv], dtype=torch.float64), torch.ones(1, 3),
                                         dapo.Config())
             dapo.add_stats(sums, stats, 3, 1, 0.0)
-        run = dapo.types.SimpleNamespace(state={"nonfinite_streak": 0})
-        m = dapo.update_metrics(run, sums, [1.0], 0, [[[{"dummy": False}]]], {})
+        run = dapo.types.SimpleNamespace(state={"nonfinite_streak": 0}, cfg=dapo.Config())
+        m = dapo.update_metrics(run, sums, [1.0], 0, [[[{"dummy": True}]]], {})
         sums.pop("prob/old_at_clip_high")   # a step where the upper clip binds nowhere: no value, not 0
         sums["clip/high_frac"] = 0.0
-        none = dapo.update_metrics(run, sums, [1.0], 0, [[[{"dummy": False}]]], {})
+        none = dapo.update_metrics(run, sums, [1.0], 0, [[[{"dummy": True}]]], {})
     finally:
         torch.distributed.destroy_process_group()
     assert m["clip/high_frac"] == pytest.approx(2 / 6) and m["prob/old_at_clip_high"] == pytest.approx(0.3)
@@ -278,11 +279,11 @@ def _update_worker(model_dir, out_path):
     model.model.register_forward_pre_hook(lambda module, args: calls.append(1))
     forward = model.forward_logprobs
     out = {"rank": dapo.rank()}
-    # 1. a NaN on rank 1 only (its samples are 1, 3, 5, 7): both ranks skip, nothing moves
+    # 1. a NaN on rank 1 only, in a sample it trains: both ranks skip, nothing moves
     w0 = full()
     samples = _update_samples()
     if dapo.rank() == 1:
-        samples[1]["adv"] = float("nan")
+        samples[dapo.trainer_ranks(samples, cfg).index(1)]["adv"] = float("nan")
     m = update(samples)
     out["nan"] = {"skipped": m["nonfinite/skipped"], "streak": m["nonfinite/streak"],
                   "moved": max((w0[k] - v).abs().max().item() for k, v in full().items())}
@@ -331,7 +332,7 @@ def _update_worker(model_dir, out_path):
                        for p in model.parameters()])
     with torch.no_grad():
         for mb in plan[0]:
-            lp, _ = forward(dapo.collate(mb, 0, device), cfg.temperature, cfg.logprob_chunk)
+            lp, _ = forward(dapo.collate(mb, 0, device, False, cfg.shared_prefix), cfg.temperature, cfg.logprob_chunk)
             for smp, row in zip(mb, lp):
                 smp["old_logp"] = row[:len(smp["response_ids"])].clone()
     opt.zero_grad()
@@ -345,7 +346,7 @@ def _update_worker(model_dir, out_path):
         dapo.overlong_filtering(samples, c)
         with torch.no_grad():
             for mb in dapo.micro_batches(samples, c)[1][0]:
-                lp, _ = forward(dapo.collate(mb, 0, device), c.temperature, c.logprob_chunk)
+                lp, _ = forward(dapo.collate(mb, 0, device, False, c.shared_prefix), c.temperature, c.logprob_chunk)
                 for smp, row in zip(mb, lp):
                     smp["old_logp"] = row[:len(smp["response_ids"])].clone() + old_shift
                     if vllm_shift is not None:
@@ -374,7 +375,9 @@ def _update_worker(model_dir, out_path):
     out["stats"] = {"loss": m["loss"], "want_loss": -sum(smp["adv"] * smp["len"] for smp in batch) / sum(
         smp["len"] for smp in batch), "kl": m["approx_kl"], "clipped": m["clip/low_frac"] + m["clip/high_frac"],
         "gap": m["sync/logp_diff_mean"], "want_gap": sum(gaps) / len(gaps), "max": m["sync/logp_diff_max"],
-        "want_max": max(gaps), "padding": m["update/padding_micro_batches"], "skipped": m["nonfinite/skipped"]}
+        "want_max": max(gaps), "padding": m["update/padding_micro_batches"], "skipped": m["nonfinite/skipped"],
+        "tokens": m["update/tokens"], "want_tokens": sum(len(smp["prompt_ids"]) for smp in batch[::2]) + sum(
+            smp["len"] for smp in batch)}   # micro-batches of 2 are the pairs that share a prompt: it counts once
     # 10. --max-sync-diff 0.1 against that gap (~0.5 nats): a one-line stop before any optimizer step, at mu = 2
     # too, where the first mini-batch's pi_old comes from its own forward pass; no weight or AdamW state moves
     w2, steps = full(), {k: v["step"].item() for k, v in opt.state.items()}
