@@ -381,6 +381,10 @@ def test_real_ladder_cost_skips_finished_runs_and_copies_their_records(tmp_path,
     _fake_run(records / "clip_higher" / "seed0", 10)
     with open(records / "clip_higher" / "seed0" / "metrics.jsonl", "a") as f:
         f.write('{"step": 11, "eval')                                 # a line cut by a kill
+    _fake_run(records / "token_level" / "seed0", 10)
+    rows = [json.loads(x) for x in (records / "token_level" / "seed0" / "metrics.jsonl").read_text().splitlines()]
+    del rows[-1]["eval/avg@4"]                                       # every step, not the final evaluation
+    (records / "token_level" / "seed0" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     plan = ladder.real_plan()
     todo, uncopied = ladder.to_go(args, plan)
     done = [(f, s) for f, s, *_ in plan if all((f, s) != (g, t) for g, t, *_ in todo)]

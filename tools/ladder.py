@@ -534,8 +534,10 @@ def report_real(args):
               f"--real), or name the records with --records", file=sys.stderr)
         sys.exit(2)
     at = REAL["steps"]  # Table 1 and Clip-Higher alone, read at step 10 (Figure 2's DAPO arm too)
-    cut = lambda folder: [load_run(os.path.join(args.records, folder, f"seed{r['seed']}"), r["seed"], at)  # noqa: E731
-                          for r in runs.get(folder, []) if r["seed"] in REAL_SEEDS]
+
+    def cut(folder):  # the folder's finished runs of REAL_SEEDS, read up to step `at`
+        return [load_run(os.path.join(args.records, folder, f"seed{r['seed']}"), r["seed"], at)
+                for r in runs.get(folder, []) if r["seed"] in REAL_SEEDS]
     table1 = [(name, paper, rs) for name, paper, _, folder in REAL_RUNGS if (rs := cut(folder))]
     tail = min(args.tail, at // 2)
     print(f"Table 1 on the real model: {len(REAL_SEEDS)} seeds a row (one with fewer says so), held-out avg@4 after "
@@ -564,7 +566,7 @@ def report_real(args):
     print("\n".join(by_seed([(n, rs) for n, _, rs in table1 + alone] + arms)))
     table, usual, differ = code_table(runs)
     print(f"\nThe code: {sum(map(len, runs.values())) - differ} runs on git commit {usual}" +
-          (f"; {differ} on another (marked)" if differ else "") + ". Minutes a run on 2 CPU cores:\n")
+          (f"; {differ} on another (marked)" if differ else "") + ". The minutes each run took:\n")
     print("\n".join(table))
     plt = pyplot()
     if plt:
