@@ -209,7 +209,7 @@ def rung_table(args, rows, counts, tail):
     grpo_final = statistics.mean(r["after"][KEY] for r in ref)
     grpo_responses = statistics.mean(sum(m["gen/responses"] for m in r["metrics"]) for r in ref)
     last = lambda r, k: statistics.mean(m[k] for m in r["metrics"][-tail:])  # noqa: E731  (late training)
-    name_of = lambda ls: f"d{min(ls)}" + (f"-d{max(ls)}" if max(ls) > min(ls) else "")  # noqa: E731
+    name_of = lambda ls: f"d{min(ls)}" + (f"-d{max(ls)}" if max(ls) > min(ls) else "") if ls else "(none)"  # noqa: E731
     short, long = ([k for k in ls if k in counts] for ls in (SHORT, LONG))
     table = [f"| rung | paper AIME24 | held-out avg@4 (mean ± sd) | short {name_of(short)} | long {name_of(long)} | "
              f"steps to {ref_name}'s final ({grpo_final:.3f}) | responses to it | at its responses | "
@@ -228,8 +228,8 @@ def rung_table(args, rows, counts, tail):
             if args.real else []
         table.append(
             f"| {name} | {paper} | {mean_sd([r['after'][KEY] for r in rs])} "
-            f"| {mean_sd([split(r['after'], SHORT, counts) for r in rs])} "
-            f"| {mean_sd([split(r['after'], LONG, counts) for r in rs])} "
+            f"| {mean_sd([split(r['after'], SHORT, counts) for r in rs]) if short else '-'} "
+            f"| {mean_sd([split(r['after'], LONG, counts) for r in rs]) if long else '-'} "
             f"| {f'{statistics.median(steps):g}' if steps else '-'} ({len(steps)}/{len(rs)}) "
             f"| {f'{statistics.median(gens):g}' if gens else '-'} | {statistics.mean(same_budget):.3f} "
             f"| {statistics.mean(last(r, 'entropy/generated') for r in rs):.3f} "
@@ -624,8 +624,8 @@ def plot_real(args, plt, rows):
         ax.set_xlabel(x)
         ax.grid(alpha=0.3)
     axes[0, 0].legend(fontsize=8)
-    fig.suptitle(f"Table 1 on SmolLM2-135M-Instruct, running sums, {len(REAL_SEEDS)} seeds a rung (thick: their "
-                 f"mean; thin: each seed; dashed: Clip-Higher alone)")
+    fig.suptitle(f"Table 1 on SmolLM2-135M-Instruct, running sums, {max(len(rs) for _, rs in rows)} seeds a rung "
+                 f"(thick: their mean; thin: each seed; dashed: Clip-Higher alone)")
     fig.tight_layout()
     fig.savefig(args.png, dpi=70)
     print(f"wrote {args.png}")
@@ -640,7 +640,10 @@ def plot_figure2(args, plt, arms):
         return
     fig, axes = plt.subplots(2, 4, figsize=(20, 8))
     per_step = lambda k: lambda r: [(m["step"], m[k]) for m in r["metrics"] if k in m]  # noqa: E731
-    for (name, rs), colour, eps in zip(arms, ("tab:blue", "tab:red"), (0.28, 0.2)):
+    for name, rs in arms:
+        flags = next(f for n, f, _ in FIGURE2_ARMS if n == name)
+        colour = "tab:red" if flags else "tab:blue"
+        eps = float(flags[flags.index("--eps-high") + 1]) if "--eps-high" in flags else dapo.Config().eps_high
         for ax, k in zip(axes[0], ("entropy", "entropy/generated", "gen/distinct_frac", "clip/high_frac")):
             plot_lines(ax, rs, per_step(k), colour, name)
         for ax, k in zip(axes[1], (KEY, "eval/pass@4")):
@@ -651,9 +654,10 @@ def plot_figure2(args, plt, arms):
         plot_lines(axes[1, 3], rs, per_step("prob/low_up_ratio"), colour, name)
         axes[1, 3].axhline(1 + eps, color=colour, linestyle=":", linewidth=1)
     titles = ["entropy of the trained tokens (`entropy`)", "mean -log p of every sampled token (`entropy/generated`)",
-              "distinct responses in a group (`gen/distinct_frac`)", "share of tokens the upper clip binds on (`clip/high_frac`)",
+              "distinct responses in a group (`gen/distinct_frac`)",
+              "share of tokens the upper clip binds on (`clip/high_frac`)",
               "held-out avg@4", "held-out pass@4", "mean π_θold of the tokens (`prob/old_at_clip_high`, `prob/old`)",
-              f"ratio r of tokens with π_θold < {0.2} and A > 0 (`prob/low_up_ratio`)"]
+              "r of the tokens with π_θold < 0.2, A > 0 (`prob/low_up_ratio`)"]
     for ax, title in zip(axes.flat, titles):
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("rollout step")
@@ -661,7 +665,7 @@ def plot_figure2(args, plt, arms):
     axes[0, 0].legend(fontsize=8)
     axes[1, 2].legend(fontsize=7)
     fig.suptitle(f"Figure 2 with full batches on SmolLM2-135M-Instruct, running sums: DAPO against DAPO with "
-                 f"ε_high 0.2, {len(FIGURE2_SEEDS)} seeds an arm (thick: their mean; thin: each seed)")
+                 f"ε_high 0.2, {max(len(rs) for _, rs in arms)} seeds an arm (thick: their mean; thin: each seed)")
     fig.tight_layout()
     fig.savefig(args.figure2_png, dpi=70)
     print(f"wrote {args.figure2_png}")
