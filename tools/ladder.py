@@ -13,7 +13,7 @@ the carry task's fixed one), so the spread over seeds is the noise of RL alone.
     python tools/ladder.py --report           # only rebuild the table and docs/ladder.png from runs/ladder
     python tools/ladder.py --print-commands   # the command lines, to run them elsewhere
     python tools/ladder.py --variants         # the objectives and knobs after DAPO; naive GRPO the reference
-    python tools/ladder.py --real             # on a real model: SmolLM2-135M-Instruct (~4.5 hours on 2 CPU cores)
+    python tools/ladder.py --real             # on a real model: SmolLM2-135M-Instruct (28 runs, ~5 hours on 2 CPU cores)
     python tools/ladder.py --real --report    # only rebuild its tables and plots from docs/real-model-runs
 
 --variants runs the objectives proposed after DAPO on DAPO's pipeline (every technique on, only
@@ -104,7 +104,6 @@ OWN = ["kl/ref", "entropy/selected_frac", "tis/clipped_frac", "tis/clipped_seq_f
        "filter/carried", "filter/set_aside"]
 SHORT, LONG = (1, 2, 3), (4, 5)  # the carry task's levels (columns): held-out split by difficulty
 KEY = "eval/avg@4"
-
 
 
 def base_model(args):
