@@ -315,11 +315,13 @@ def test_real_ladder_figure2_table_by_arm(tmp_path, capsys):
     assert list(dapo_arm)[1:] == ["held-out avg@4", "pass@4"] + [c for _, c, _ in ladder.FIGURE2_COLUMNS]
     assert dapo_arm["held-out avg@4"] == "0.920 ± 0.016" and low["held-out avg@4"] == "0.720 ± 0.016"
     assert dapo_arm["pass@4"] == "0.970 ± 0.016"
-    assert dapo_arm["entropy (π_θ, trained tokens)"] == "0.320 ± 0.016" and low["entropy/generated"] == "0.440 ± 0.016"
+    assert dapo_arm["entropy (π_θ, trained tokens)"] == "0.320 ± 0.016"
+    assert low["entropy/generated"] == "0.440 ± 0.016"
     assert dapo_arm["upper clip binds (%)"] == "0.4000 ± 0.1581"
     assert dapo_arm["π_θold where it binds"] == "0.120 ± 0.016"
     assert low["π_θold where it binds"] == "0.065 ± 0.013 (4/5 seeds)"
-    assert dapo_arm["π_θold, every token"] == "0.800 ± 0.000" and low["r of low-p tokens pushed up"] == "1.100 ± 0.000"
+    assert dapo_arm["π_θold, every token"] == "0.800 ± 0.000"
+    assert low["r of low-p tokens pushed up"] == "1.100 ± 0.000"
 
 
 def test_real_ladder_runs_table1_cumulatively_and_figure2_with_one_difference(tmp_path):
@@ -396,7 +398,8 @@ def test_real_ladder_cost_skips_finished_runs_and_copies_their_records(tmp_path,
     assert sorted(os.listdir(records / "grpo" / "seed1")) == ["ladder.json", "metrics.jsonl", "run.json", "stdout.txt"]
     for name in ladder.RECORDS:
         assert (records / "grpo" / "seed1" / name).read_bytes() == (runs / "grpo" / "seed1" / name).read_bytes()
-    assert not (runs / "grpo" / "seed1" / "checkpoints").exists() and (runs / "grpo" / "seed1" / "samples.jsonl").exists()
+    assert not (runs / "grpo" / "seed1" / "checkpoints").exists()
+    assert (runs / "grpo" / "seed1" / "samples.jsonl").exists()
     assert ladder.to_go(args, plan)[1] == [] and len(ladder.to_go(args, plan)[0]) == 26
 
     real_run = subprocess.run
