@@ -13,7 +13,7 @@ the carry task's fixed one), so the spread over seeds is the noise of RL alone.
     python tools/ladder.py --report           # only rebuild the table and docs/ladder.png from runs/ladder
     python tools/ladder.py --print-commands   # the command lines, to run them elsewhere
     python tools/ladder.py --variants         # the objectives and knobs after DAPO; naive GRPO the reference
-    python tools/ladder.py --real             # SmolLM2-135M-Instruct: Table 1, Figure 2 (28 runs, ~5 hours on 2 CPU cores)
+    python tools/ladder.py --real             # Table 1 and Figure 2 on SmolLM2-135M (28 runs, ~5 hours, 2 cores)
     python tools/ladder.py --real --report    # only rebuild its tables and plots from docs/real-model-runs
 
 --variants runs the objectives proposed after DAPO on DAPO's pipeline (every technique on, only
