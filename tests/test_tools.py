@@ -259,44 +259,171 @@ def test_ladder_report_compares_per_step_and_per_response(tmp_path, capsys):
     assert grpo["s/step"] == "2.00" and full["s/step"] == "5.00"   # the median: a slow step in 3 does not move it
 
 
-def test_real_ladder_report_adds_diversity_and_pass_at_k_by_the_tasks_levels(tmp_path, capsys):
-    """tools/ladder.py --real's report on saved metrics of its three rungs (naive GRPO, + Clip-Higher, DAPO):
-    the held-out split by the real task's levels (2-3 and 4 columns, from the eval file), and its own columns:
-    the share of distinct responses in a group, pass@4 after the last step, and the training accuracy over the
-    second half of naive GRPO's responses (DAPO, generating twice as many a step, spends them by step 3)."""
-    import argparse
-    sys.path.insert(0, os.path.join(HERE, "tools"))
-    import ladder
-    (tmp_path / "data").mkdir()
-    with open(tmp_path / "data" / "eval.jsonl", "w") as f:
-        f.writelines(json.dumps({"prompt": "p", "answer": "1", "level": n}) + "\n" for n in (2, 2, 3, 4))
-    keys = ["eval/avg@4", "eval/pass@4"] + [f"eval/avg@4/d{n}" for n in (2, 3, 4)]
-    for rung, (name, distinct, final) in enumerate((("grpo", 0.5, 0.3), ("clip_higher", 0.7, 0.4), ("dapo", 0.8, 0.6))):
-        for seed in (0, 1):
-            d = tmp_path / name / f"seed{seed}"
-            d.mkdir(parents=True)
-            rows = [{"step": s, "gen/responses": 64, "entropy/generated": 0.3, "entropy": 0.2, "len/truncated_frac": 0.0,
-                     "filter/kept_frac": 0.5, "batch/effective_groups": 8, "clip/high_frac": 0.001, "clip/low_frac": 0.0,
-                     "time/step": 30.0, "gen/distinct_frac": distinct, "acc/mean": s / 10} for s in range(1, 7)]
-            if name == "dapo":
-                for r in rows:
-                    r["gen/responses"] = 128
-            rows[-1].update({k: final for k in keys})
-            (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-            (d / "evals.json").write_text(json.dumps({"before": {k: 0.1 for k in keys}, "after": {k: final for k in keys}}))
-    args = argparse.Namespace(root=str(tmp_path), seeds=[0, 1], eval_every=3, tail=3, variants=False, real=True,
-                              png=str(tmp_path / "real.png"))
-    ladder.report(args)
-    rows = [[c.strip() for c in x.strip("| ").split(" | ")] for x in capsys.readouterr().out.splitlines()
-            if x.startswith("| ")]
-    assert rows[0][3:5] == ["short d2-d3", "long d4"]
-    assert rows[0][-3:] == ["distinct responses", "pass@4", "train acc at its responses"]
-    got = {row[0]: dict(zip(rows[0], row)) for row in rows[1:]}
-    assert list(got) == ["naive GRPO", "GRPO + Clip-Higher", "full DAPO"]
-    assert [got[n]["distinct responses"] for n in got] == ["0.50", "0.70", "0.80"]
-    assert [got[n]["pass@4"] for n in got] == ["0.300 ± 0.000", "0.400 ± 0.000", "0.600 ± 0.000"]
-    # GRPO's 384 responses: its steps 4-6 (256, 320, 384) against DAPO's steps 2-3 (256, 384)
-    assert [got[n]["train acc at its responses"] for n in got] == ["0.500 ± 0.000", "0.500 ± 0.000", "0.250 ± 0.000"]
+def test_real_ladder_report_table1_and_clip_higher_alone_from_the_records(tmp_path, capsys):
+    """tools/ladder.py --real's report, from the records folder alone: Table 1's six rows in the paper's order,
+    full DAPO's read at step 10 of Figure 2's 20-step DAPO runs (and said so); Clip-Higher alone in a table of its
+    own beside naive GRPO, not in Table 1; the held-out split by the task's levels (levels.json); the share of
+    distinct responses, pass@4 and the training accuracy over the second half of naive GRPO's responses (DAPO,
+    generating twice as many a step, spends them by step 3); the held-out accuracy by seed; the git commit of
+    every run, the one that differs marked, and the minutes each took."""
+    ladder = _ladder()
+    args = _real_args(tmp_path)
+    _real_records(ladder, args.records)
+    ladder.report_real(args)
+    out = capsys.readouterr().out
+    tables = _tables(out)
+    table1, alone = tables[0], tables[1]
+    assert list(table1) == ["naive GRPO", "+ overlong filtering", "+ Clip-Higher", "+ soft overlong punishment",
+                            "+ token-level loss", "+ dynamic sampling (DAPO)"]
+    assert list(alone) == ["naive GRPO", "GRPO + Clip-Higher"] and alone["naive GRPO"] == table1["naive GRPO"]
+    grpo = table1["naive GRPO"]
+    assert list(grpo)[3:5] == ["short d3", "long d4-d5"]
+    assert list(grpo)[-3:] == ["distinct responses", "pass@4", "train acc at its responses"]
+    # rung i's final held-out avg@4 is 0.1 (i + 1) + 0.01 seed; DAPO's at step 10 0.6 + 0.01 seed (0.9 + at step 20)
+    assert [r["held-out avg@4 (mean ± sd)"] for r in table1.values()] == \
+        ["0.110 ± 0.010", "0.210 ± 0.010", "0.310 ± 0.010", "0.410 ± 0.010", "0.510 ± 0.010", "0.610 ± 0.010"]
+    assert alone["GRPO + Clip-Higher"]["held-out avg@4 (mean ± sd)"] == "0.060 ± 0.010"
+    assert "Figure 2's DAPO runs (seeds 0, 1, 2) read at step 10" in out
+    assert [r["distinct responses"] for r in table1.values()] == ["0.50", "0.55", "0.60", "0.65", "0.70", "0.75"]
+    assert table1["+ dynamic sampling (DAPO)"]["responses/step"] == "128"
+    assert table1["+ dynamic sampling (DAPO)"]["pass@4"] == "0.660 ± 0.010"
+    # GRPO's 640 responses: its steps 6-10 (acc 0.6-1.0) against DAPO's steps 3-5 (256 < 384, 512, 640)
+    assert grpo["train acc at its responses"] == "0.800 ± 0.000"
+    assert table1["+ dynamic sampling (DAPO)"]["train acc at its responses"] == "0.400 ± 0.000"
+    by_seed = tables[3]
+    assert by_seed["+ dynamic sampling (DAPO)"]["seed 2"] == "0.100 -> 0.050 -> **0.620**"
+    assert by_seed["DAPO (ε_high 0.28)"]["seed 4"] == "0.100 -> 0.050 -> 0.640 -> 0.050 -> **0.940**"
+    assert "27 runs on git commit " + "a" * 40 + "; 1 on another (marked)" in out
+    code = tables[4]
+    assert code["dapo_eps_high_0.2"]["git commit"] == "aaaaaaaaaa, **bbbbbbbbbb (differs)**"
+    assert code["grpo"]["minutes, by seed"] == "8.0 / 8.1 / 8.2" and code["dapo"]["steps"] == "20"
+
+
+def test_real_ladder_figure2_table_by_arm(tmp_path, capsys):
+    """Figure 2's table: by arm, the mean ± sd over 5 seeds of the final held-out avg@4 and pass@4 and of each seed's
+    mean over the last 10 steps of the entropies, the distinct share, the upper clip's binding share and the
+    probability metrics. prob/old_at_clip_high is absent from a step where the clip bound nowhere: the mean is over
+    the steps that have it (0.12, not the 0.06 of counting the absent as 0), and a seed with none in its last steps
+    is left out, said so (4/5 seeds)."""
+    ladder = _ladder()
+    args = _real_args(tmp_path)
+    _real_records(ladder, args.records)
+    ladder.report_real(args)
+    arms = _tables(capsys.readouterr().out)[2]
+    assert list(arms) == ["DAPO (ε_high 0.28)", "DAPO with ε_high 0.2"]
+    dapo_arm, low = arms.values()
+    assert list(dapo_arm)[1:] == ["held-out avg@4", "pass@4"] + [c for _, c, _ in ladder.FIGURE2_COLUMNS]
+    assert dapo_arm["held-out avg@4"] == "0.920 ± 0.016" and low["held-out avg@4"] == "0.720 ± 0.016"
+    assert dapo_arm["pass@4"] == "0.970 ± 0.016"
+    assert dapo_arm["entropy (π_θ, trained tokens)"] == "0.320 ± 0.016"
+    assert low["entropy/generated"] == "0.440 ± 0.016"
+    assert dapo_arm["upper clip binds (%)"] == "0.4000 ± 0.1581"
+    assert dapo_arm["π_θold where it binds"] == "0.120 ± 0.016"
+    assert low["π_θold where it binds"] == "0.065 ± 0.013 (4/5 seeds)"
+    assert dapo_arm["π_θold, every token"] == "0.800 ± 0.000"
+    assert low["r of low-p tokens pushed up"] == "1.100 ± 0.000"
+
+
+def test_real_ladder_runs_table1_cumulatively_and_figure2_with_one_difference(tmp_path):
+    """--real's plan, as dapo.py parses its command lines (a model marked for the laptop preset, as
+    tools/real_model.py's is): 28 runs; REAL's settings on every one, no checkpoint before the last step and one
+    kept; Table 1's rows, 3 seeds, each one technique more than the row before, DAPO's row the 20-step runs of
+    Figure 2 (its arms 5 seeds, differing in ε_high alone); Clip-Higher alone is naive GRPO with ε_high 0.28."""
+    ladder = _ladder()
+    args = _real_args(tmp_path)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"dapo_preset": "laptop"}))
+    plan = ladder.real_plan()
+    cfgs = {(job[0], job[1]): dapo.parse_config(ladder.real_command(args, str(model), *job)[2:]) for job in plan}
+    assert len(plan) == len(cfgs) == 28
+    for (folder, seed), cfg in cfgs.items():
+        dapo.check_config(cfg)
+        assert (cfg.max_response_len, cfg.overlong_cache_len, cfg.num_mini_batches, cfg.eval_every,
+                cfg.eval_samples, cfg.eval_max_prompts) == (64, 16, 4, 5, 4, 96)
+        assert cfg.prompts_per_step == dapo.LAPTOP["prompts_per_step"] and cfg.lr == dapo.LAPTOP["lr"]
+        assert cfg.save_every == 0 and cfg.keep_checkpoints == 1 and cfg.seed == seed
+        assert cfg.out_dir == str(tmp_path / "runs" / folder / f"seed{seed}") and cfg.model == str(model)
+    seeds = lambda folder: sorted(s for f, s in cfgs if f == folder)  # noqa: E731
+    folders = [f for *_, f in ladder.REAL_RUNGS]
+    assert all(seeds(f) == [0, 1, 2] for f in folders[:-1] + ["clip_higher"])
+    assert seeds("dapo") == seeds("dapo_eps_high_0.2") == [0, 1, 2, 3, 4]
+    differ = lambda a, b: {k for k, v in dataclasses.asdict(a).items() if dataclasses.asdict(b)[k] != v} - {"out_dir"}
+    rows = [cfgs[(f, 1)] for f in folders]
+    grpo, full = rows[0], rows[-1]
+    assert grpo.eps_high == 0.2 and not (grpo.overlong_filtering or grpo.soft_overlong_punishment or
+                                         grpo.token_level_loss or grpo.dynamic_sampling)
+    assert full.eps_high == 0.28 and full.overlong_filtering and full.soft_overlong_punishment
+    assert full.token_level_loss and full.dynamic_sampling and full.steps == 20 and grpo.steps == 10
+    assert [differ(a, b) for a, b in zip(rows, rows[1:])] == [
+        {"overlong_filtering"}, {"eps_high"}, {"soft_overlong_punishment"}, {"token_level_loss"},
+        {"dynamic_sampling", "steps"}]
+    assert differ(grpo, cfgs[("clip_higher", 1)]) == {"eps_high"} and cfgs[("clip_higher", 1)].eps_high == 0.28
+    for seed in range(5):
+        assert differ(cfgs[("dapo", seed)], cfgs[("dapo_eps_high_0.2", seed)]) == {"eps_high"}
+        assert cfgs[("dapo_eps_high_0.2", seed)].eps_high == 0.2
+
+
+def test_real_ladder_cost_skips_finished_runs_and_copies_their_records(tmp_path, monkeypatch, capsys):
+    """The experiment's bookkeeping on fake run folders (no dapo.py run): a run is finished when its metrics.jsonl
+    holds all its steps, the last with the final evaluation; finished records are skipped, a finished run whose
+    records were not copied is copied rather than run again; a cut run, a cut line, or a 10-step run where 20 are
+    planned is to go. The cost line counts the runs to go by kind, at the finished runs' own minutes where there
+    are some. A run that finishes has its records copied (not samples.jsonl) and its checkpoints deleted; one that
+    exits 0 without its last step stops the experiment."""
+    import pathlib
+    import subprocess
+    ladder = _ladder()
+    args = _real_args(tmp_path)
+    runs, records = tmp_path / "runs", tmp_path / "records"
+    _fake_run(records / "grpo" / "seed0", 10, minutes=7.0)          # finished, copied
+    _fake_run(runs / "grpo" / "seed1", 10, checkpoint=True)          # finished, not copied
+    _fake_run(runs / "grpo" / "seed2", 10, cut=4)                    # stopped at step 6
+    _fake_run(runs / "dapo" / "seed0", 10)                           # 10 steps of the 20 planned
+    _fake_run(records / "clip_higher" / "seed0", 10)
+    with open(records / "clip_higher" / "seed0" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 11, "eval')                                 # a line cut by a kill
+    _fake_run(records / "token_level" / "seed0", 10)
+    rows = [json.loads(x) for x in (records / "token_level" / "seed0" / "metrics.jsonl").read_text().splitlines()]
+    del rows[-1]["eval/avg@4"]                                       # every step, not the final evaluation
+    (records / "token_level" / "seed0" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plan = ladder.real_plan()
+    todo, uncopied = ladder.to_go(args, plan)
+    done = [(f, s) for f, s, *_ in plan if all((f, s) != (g, t) for g, t, *_ in todo)]
+    assert done == [("grpo", 0), ("grpo", 1)] and [(f, s) for f, s, *_ in uncopied] == [("grpo", 1)]
+    assert ladder.cost_line(args, plan, todo) == (
+        "26 of 28 runs to go (finished ones skipped): 16 x ~7.0 min (10 steps; the mean of 1 finished), "
+        "10 x ~16.5 min (20 steps, dynamic sampling; estimated): ~277 minutes (~4.6 hours) on 2 CPU cores")
+    ladder.copy_records(str(runs / "grpo" / "seed1"), str(records / "grpo" / "seed1"))
+    assert sorted(os.listdir(records / "grpo" / "seed1")) == ["ladder.json", "metrics.jsonl", "run.json", "stdout.txt"]
+    for name in ladder.RECORDS:
+        assert (records / "grpo" / "seed1" / name).read_bytes() == (runs / "grpo" / "seed1" / name).read_bytes()
+    assert not (runs / "grpo" / "seed1" / "checkpoints").exists()
+    assert (runs / "grpo" / "seed1" / "samples.jsonl").exists()
+    assert ladder.to_go(args, plan)[1] == [] and len(ladder.to_go(args, plan)[0]) == 26
+
+    real_run = subprocess.run
+
+    def fake_dapo(cmd, **kw):  # writes what dapo.py writes; git and the rest run for real
+        if not cmd[1].endswith("dapo.py"):
+            return real_run(cmd, **kw)
+        cfg = dapo.parse_config(cmd[2:])
+        _fake_run(pathlib.Path(cfg.out_dir), cfg.steps, checkpoint=True, cut=cut)
+        return subprocess.CompletedProcess(cmd, 0, "eval (after): eval/avg@4 0.500\n", "")
+    monkeypatch.setattr(ladder.subprocess, "run", fake_dapo)
+    cut = 0
+    job = next(j for j in todo if j[:2] == ("grpo", 2))
+    ladder.run_real(args, "model", job)
+    kept = records / "grpo" / "seed2"
+    assert sorted(os.listdir(kept)) == ["ladder.json", "metrics.jsonl", "run.json", "stdout.txt"]
+    assert (kept / "stdout.txt").read_text().startswith("eval (after): eval/avg@4 0.500")
+    assert set(json.loads((kept / "ladder.json").read_text())) == {"minutes", "uncommitted"}
+    assert not (runs / "grpo" / "seed2" / "checkpoints").exists()
+    assert ("grpo", 2) not in [j[:2] for j in ladder.to_go(args, plan)[0]]
+    cut = 1
+    with pytest.raises(SystemExit, match=r"^failed \(exit code 0, its metrics.jsonl unfinished\)"):
+        ladder.run_real(args, "model", next(j for j in todo if j[:2] == ("dapo", 0)))
+    assert not (records / "dapo" / "seed0").exists()
 
 
 # -----------------------------------------------------------------------------------------
@@ -315,3 +442,84 @@ def _plan(*args):
                              "--gpu-memory-utilization", "0.7", "--grad-checkpointing", "--micro-batch-tokens",
                              "22528", *args])
     return cfg, plan.model_shape(cfg.model)
+
+
+def _ladder():
+    sys.path.insert(0, os.path.join(HERE, "tools"))
+    import ladder
+    return ladder
+
+
+def _real_args(tmp_path):
+    """tools/ladder.py --real's arguments, its folders under tmp_path (no plot: matplotlib is optional)."""
+    import argparse
+    return argparse.Namespace(root=str(tmp_path / "runs"), records=str(tmp_path / "records"), tail=25, real=True,
+                              variants=False, extra=[], print_commands=False, png=str(tmp_path / "ladder.png"),
+                              figure2_png=str(tmp_path / "figure2.png"))
+
+
+def _tables(out):
+    """The markdown tables of a report, in order, each {first cell: {column: cell}}."""
+    tables, rows = [], []
+    for line in out.splitlines() + [""]:
+        if line.startswith("|"):
+            rows.append([c.strip() for c in line.strip()[1:-1].split(" | ")])
+        elif rows:
+            head = rows[0]
+            tables.append({row[0]: dict(zip(head, row)) for row in rows[2:]})
+            rows = []
+    return tables
+
+
+def _fake_run(path, steps, cut=0, minutes=8.0, checkpoint=False, commit="a" * 40, row=None):
+    """A run folder as dapo.py and tools/ladder.py leave it: `steps` rows of metrics (the last `cut` left out), the
+    held-out evaluation before training in step 1's row and every 5 steps, run.json, ladder.json; row(step) adds
+    to each row."""
+    os.makedirs(path / "checkpoints" / f"step_{steps:06d}" if checkpoint else path, exist_ok=True)
+    evals = ["eval/avg@4", "eval/pass@4"] + [f"eval/avg@4/d{n}" for n in (3, 4, 5)]
+    rows = []
+    for s in range(1, steps + 1):
+        m = {"step": s, "gen/responses": 64, "entropy/generated": 0.3, "entropy": 0.2, "len/truncated_frac": 0.0,
+             "filter/kept_frac": 0.5, "batch/effective_groups": 3, "clip/high_frac": 0.001, "clip/low_frac": 0.0,
+             "time/step": 30.0, "gen/distinct_frac": 0.5, "acc/mean": s / 10, "prob/old": 0.8}
+        m.update({k: 0.05 for k in evals} if s % 5 == 0 else {})
+        m.update({"eval_before/" + k.split("/", 1)[1]: 0.1 for k in evals} if s == 1 else {})
+        m.update(row(s) if row else {})
+        rows.append(m)
+    (path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in rows[:steps - cut]))
+    (path / "samples.jsonl").write_text("{}\n")
+    (path / "run.json").write_text(json.dumps({"git_commit": commit, "config": {"steps": steps}}))
+    (path / "stdout.txt").write_text("eval (after): eval/avg@4 0.050\n")
+    (path / "ladder.json").write_text(json.dumps({"minutes": minutes, "uncommitted": []}))
+
+
+def _real_records(ladder, records):
+    """Records of every run of --real's plan: rung i's final held-out avg@4 0.1 (i + 1) + 0.01 seed (Clip-Higher
+    alone 0.05 + 0.01 seed), pass@4 0.05 more; Figure 2's DAPO arm 0.6 + 0.01 seed at step 10 and 0.9 + at step 20,
+    its ε_high 0.2 arm 0.7 + at step 20; their probabilities by step (prob/old_at_clip_high on even steps alone, and
+    never after step 10 for the ε_high 0.2 arm's seed 4); one run on another commit."""
+    import pathlib
+    records = pathlib.Path(records)
+    records.mkdir(parents=True)
+    (records / "levels.json").write_text(json.dumps({"3": 32, "4": 32, "5": 32}))
+    finals = {f: 0.1 * (i + 1) for i, (*_, f) in enumerate(ladder.REAL_RUNGS)} | {"clip_higher": 0.05}
+    distinct = {f: 0.5 + 0.05 * i for i, (*_, f) in enumerate(ladder.REAL_RUNGS)}
+    for folder, seed, settings, _ in ladder.real_plan():
+        arm = {"dapo": 0, "dapo_eps_high_0.2": 1}.get(folder)
+
+        def row(s, folder=folder, seed=seed, arm=arm):
+            m = {"gen/distinct_frac": distinct.get(folder, 0.5)}
+            final = finals.get(folder, 0.0) + 0.01 * seed
+            if arm is not None:   # Figure 2's arms
+                final = (0.6 if s == 10 else 0.9 - 0.2 * arm) + 0.01 * seed
+                m.update({"gen/responses": 128, "entropy": 0.3 - 0.1 * arm + 0.01 * seed,
+                          "entropy/generated": 0.4 + 0.02 * arm + 0.01 * seed, "clip/high_frac": 0.002 + 0.001 * seed,
+                          "gen/distinct_frac": 0.75 if arm == 0 else 0.6, "prob/low_up_ratio": 1.1})
+                if s % 2 == 0 and not (arm == 1 and seed == 4 and s > 10):
+                    m["prob/old_at_clip_high"] = (0.1 - 0.05 * arm) + 0.01 * seed
+            if s in (10, settings["steps"]):
+                m.update({k: final for k in ("eval/avg@4", "eval/avg@4/d3", "eval/avg@4/d4", "eval/avg@4/d5")})
+                m["eval/pass@4"] = final + 0.05
+            return m
+        _fake_run(records / folder / f"seed{seed}", settings["steps"], row=row, minutes=8.0 + 0.1 * seed,
+                  commit="b" * 40 if (folder, seed) == ("dapo_eps_high_0.2", 3) else "a" * 40)
