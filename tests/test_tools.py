@@ -523,3 +523,14 @@ def _real_records(ladder, records):
             return m
         _fake_run(records / folder / f"seed{seed}", settings["steps"], row=row, minutes=8.0 + 0.1 * seed,
                   commit="b" * 40 if (folder, seed) == ("dapo_eps_high_0.2", 3) else "a" * 40)
+
+
+def test_bench_prefix_table_gives_medians_after_the_first_step_and_plain_over_shared():
+    """tools/bench_prefix.py's table: the medians of the steps after the first (its warm-up), per way, and the
+    plain / shared ratios, on made-up metrics rows."""
+    import bench_prefix
+    rows = lambda u, s, n: [{"time/update": 99.0, "time/step": 99.0, "update/tokens": n}] + [  # noqa: E731
+        {"time/update": u * k, "time/step": s * k, "update/tokens": n} for k in (1, 2, 3)]
+    out = bench_prefix.table({"ladder": {"plain": rows(6.0, 9.0, 6000), "shared": rows(2.0, 5.0, 1500)}})
+    assert "| ladder | plain | 12.00 | 18.00 | 6,000 |" in out and "| ladder | shared | 4.00 | 10.00 | 1,500 |" in out
+    assert "| ladder | plain / shared | 3.00x | 1.80x | 4.00x |" in out

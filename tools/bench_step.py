@@ -3,6 +3,7 @@
     python tools/bench_step.py                    # 32 prompts x 8 responses, max 256 tokens, mu = 1
     python tools/bench_step.py --seeds            # generation only: unseeded / per-request seeds / per call
     python tools/bench_step.py --precision fp32 bf16 --tis-cap 2   # both precisions, side by side, one run
+    python tools/bench_step.py --no-shared-prefix # a copy of the prompt per response in the update
 
 A random-init tiny Qwen2 (the demo's shape, vocabulary 128, fp32): EOS is one token in 128, so
 responses average ~110 tokens at a maximum of 256, ragged as DAPO's are. Dynamic sampling off,
@@ -39,6 +40,8 @@ def main():
     p.add_argument("--precision", nargs="+", default=["fp32"], choices=["fp32", "bf16"],
                    help="dapo.py's --precision; several: each in a process of its own, one after the other")
     p.add_argument("--tis-cap", type=float, default=0.0, help="dapo.py's --tis-cap (its tis/* shares are printed)")
+    p.add_argument("--shared-prefix", action=argparse.BooleanOptionalAction, default=True,
+                   help="dapo.py's --shared-prefix (a group's prompt forwarded once in the update)")
     a = p.parse_args()
     if len(a.precision) > 1:
         return side_by_side(a)
@@ -52,7 +55,7 @@ def main():
                       dynamic_sampling=False, max_prompt_len=16, max_response_len=a.max_response_len,
                       overlong_cache_len=a.max_response_len // 4, num_mini_batches=1,
                       micro_batch_size=a.micro_batch_size, micro_batch_tokens=a.micro_batch_tokens, lr=1e-6,
-                      warmup_steps=1, precision=a.precision[0], tis_cap=a.tis_cap)
+                      warmup_steps=1, precision=a.precision[0], tis_cap=a.tis_cap, shared_prefix=a.shared_prefix)
     device = dapo.init_distributed()
     tokenizer = AutoTokenizer.from_pretrained(path)
     rows, _ = demo_model.demo_task(cfg.seed)
