@@ -1481,7 +1481,8 @@ def _chunk_logprobs(hidden, weight, targets, temperature):
 def token_logprobs(hidden, weight, targets, temperature=1.0, chunk=1024):
     """log softmax(hidden @ weight.T / T)[targets] and the entropy, (B, T) each, with fp32 logits
     for about `chunk` tokens at a time, recomputed in backward: at 20k tokens and a 152k vocabulary
-    a whole (T, V) fp32 logits tensor would take ~12 GB per sequence."""
+    a whole (T, V) fp32 logits tensor would take ~12 GB per sequence. The last chunk keeps its own:
+    its backward runs first, so recomputing it would cost a matmul and save no memory at the peak."""
     from torch.utils.checkpoint import checkpoint
     lps, ents = [], []
     if weight.dtype != torch.float32 and torch.is_grad_enabled():
@@ -1489,7 +1490,8 @@ def token_logprobs(hidden, weight, targets, temperature=1.0, chunk=1024):
     step = max(1, chunk // hidden.shape[0])  # `chunk` counts tokens over all B rows
     for s in range(0, hidden.shape[1], step):
         hs, tg = hidden[:, s:s + step], targets[:, s:s + step]
-        if torch.is_grad_enabled() and (hs.requires_grad or weight.requires_grad):
+        last = s + step >= hidden.shape[1]
+        if torch.is_grad_enabled() and (hs.requires_grad or weight.requires_grad) and not last:
             lp, ent = checkpoint(_chunk_logprobs, hs, weight, tg, temperature, use_reentrant=False)
         else:
             lp, ent = _chunk_logprobs(hs, weight, tg, temperature)
