@@ -314,11 +314,12 @@ def plot(args, runs, counts):
 # --real: the runs, their cost, their records
 
 def real_plan():
-    """Every run of --real, as (folder, seed, settings, flags): Table 1's rows and Clip-Higher alone at REAL's
-    10 steps, then Figure 2's two arms at 20 (the DAPO arm gives Table 1's DAPO row: no 10-step DAPO run)."""
-    plan = [(folder, seed, REAL, flags) for _, _, flags, folder in REAL_RUNGS[:-1] + [CLIP_ALONE]
-            for seed in REAL_SEEDS]
-    return plan + [(folder, seed, FIGURE2, flags) for _, flags, folder in FIGURE2_ARMS for seed in FIGURE2_SEEDS]
+    """Every run of --real, as (folder, seed, settings, flags), in the order they run: Figure 2's two arms at 20
+    steps, seed by seed (the DAPO arm gives Table 1's DAPO row: no 10-step DAPO run), then Table 1's other rows
+    at REAL's 10 steps, seed by seed, then Clip-Higher alone; so that a budget cut short leaves whole seeds."""
+    figure2 = [(folder, seed, FIGURE2, flags) for seed in FIGURE2_SEEDS for _, flags, folder in FIGURE2_ARMS]
+    table1 = [(folder, seed, REAL, flags) for seed in REAL_SEEDS for _, _, flags, folder in REAL_RUNGS[:-1]]
+    return figure2 + table1 + [(CLIP_ALONE[3], seed, REAL, CLIP_ALONE[2]) for seed in REAL_SEEDS]
 
 
 def real_command(args, model, folder, seed, settings, flags):
