@@ -619,16 +619,22 @@ def plot_real(args, plt, rows):
               ("held-out pass@4", "rollout step"), ("entropy of the trained tokens (`entropy`)", "rollout step"),
               ("mean -log p of every sampled token (`entropy/generated`)", "rollout step"),
               ("distinct responses in a group (`gen/distinct_frac`)", "rollout step")]
-    for ax, (title, x) in zip(axes.flat, titles):
+    finish(fig, axes, titles, f"Table 1 on SmolLM2-135M-Instruct, running sums, {max(len(rs) for _, rs in rows)} "
+           f"seeds a rung (thick: their mean; thin: each seed; dashed: Clip-Higher alone)", args.png)
+
+
+def finish(fig, axes, titles, suptitle, path):
+    """Each panel's title (and x-axis: a pair, or the rollout step), a grid, the first panel's legend; the file."""
+    for ax, title in zip(axes.flat, titles):
+        title, x = title if isinstance(title, tuple) else (title, "rollout step")
         ax.set_title(title, fontsize=10)
         ax.set_xlabel(x)
         ax.grid(alpha=0.3)
     axes[0, 0].legend(fontsize=8)
-    fig.suptitle(f"Table 1 on SmolLM2-135M-Instruct, running sums, {max(len(rs) for _, rs in rows)} seeds a rung "
-                 f"(thick: their mean; thin: each seed; dashed: Clip-Higher alone)")
+    fig.suptitle(suptitle)
     fig.tight_layout()
-    fig.savefig(args.png, dpi=70)
-    print(f"wrote {args.png}")
+    fig.savefig(path, dpi=70)
+    print(f"wrote {path}")
 
 
 def plot_figure2(args, plt, arms):
@@ -658,17 +664,10 @@ def plot_figure2(args, plt, arms):
               "share of tokens the upper clip binds on (`clip/high_frac`)",
               "held-out avg@4", "held-out pass@4", "mean π_θold of the tokens (`prob/old_at_clip_high`, `prob/old`)",
               "r of the tokens with π_θold < 0.2, A > 0 (`prob/low_up_ratio`)"]
-    for ax, title in zip(axes.flat, titles):
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("rollout step")
-        ax.grid(alpha=0.3)
-    axes[0, 0].legend(fontsize=8)
     axes[1, 2].legend(fontsize=7)
-    fig.suptitle(f"Figure 2 with full batches on SmolLM2-135M-Instruct, running sums: DAPO against DAPO with "
-                 f"ε_high 0.2, {max(len(rs) for _, rs in arms)} seeds an arm (thick: their mean; thin: each seed)")
-    fig.tight_layout()
-    fig.savefig(args.figure2_png, dpi=70)
-    print(f"wrote {args.figure2_png}")
+    finish(fig, axes, titles, f"Figure 2 with full batches on SmolLM2-135M-Instruct, running sums: DAPO against DAPO "
+           f"with ε_high 0.2, {max(len(rs) for _, rs in arms)} seeds an arm (thick: their mean; thin: each seed)",
+           args.figure2_png)
 
 
 def main():
