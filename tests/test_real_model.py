@@ -54,8 +54,9 @@ def test_a_real_pretrained_model_through_the_whole_loop(real_model, tmp_path):
     length limit; step 2 is generated after an update, and vLLM's log-probs equal the trainer's there (mean
     gap < 1e-4), while the update moved them far more; the export holds the trainer's fp32 weights bit for
     bit and gives its logits in transformers, and keeps the chat template and EOS that a resumed run reads
-    from it; evaluation reports avg@k, pass@k and maj@k. The reward is a graded one of the test's own
-    (LENGTH_REWARD, named by --reward), run in the reward workers, never in the trainer's process: dynamic
+    from it; evaluation reports avg@k, pass@k and maj@k; tools/memwatch.py, around the run, sees the trainer
+    and the reward's worker processes, and the trainer's RSS as the kernel counts it. The reward is a graded
+    one of the test's own (LENGTH_REWARD, named by --reward), run in the reward workers, never in the trainer's process: dynamic
     sampling keeps the groups whose rewards differ, its answers give maj@k, and its metric is logged. Not here,
     for CI's time
     (each run of this model takes ~40-60 s): a resumed run and the bf16 export, which the built-in model's
@@ -69,7 +70,8 @@ def test_a_real_pretrained_model_through_the_whole_loop(real_model, tmp_path):
     data = [_word_problems(tmp_path / f"{name}.jsonl", held) for held, name in enumerate(("train", "eval"))]
     t0 = time.monotonic()
     (tmp_path / "graded.py").write_text(LENGTH_REWARD)
-    out = _run([sys.executable, "dapo.py", "--model", real_model, "--train-data", data[0], "--eval-data", data[1],
+    out = _run([sys.executable, "tools/memwatch.py", "--json", str(tmp_path / "memory.json"), "--",
+                sys.executable, "dapo.py", "--model", real_model, "--train-data", data[0], "--eval-data", data[1],
                 *REAL_ARGS, "--reward", f"{tmp_path / 'graded.py'}:length", "--steps", "2", "--save-dtype", "float32",
                 "--out-dir", str(tmp_path / "run")], timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
@@ -82,6 +84,14 @@ def test_a_real_pretrained_model_through_the_whole_loop(real_model, tmp_path):
     for r in rows:   # the graded reward, filtered by dynamic sampling on its spread, never run in the trainer
         assert r["score/in_trainer"] == 0 and r["reward/errors"] == 0 and r["filter/kept_frac"] > 0
         assert 0 < r["score/mean"] and r["reward/mean"] <= r["score/mean"]   # Eq. 13 only ever subtracts
+    import memwatch  # the run's processes, sampled by tools/memwatch.py: the trainer and the reward's workers
+    peak = memwatch.peaks(json.load(open(tmp_path / "memory.json")))
+    trainer, workers = peak["own"]["dapo.py"], peak["own"]["reward worker"]
+    print(f"memory: peak of the sum {memwatch.gb(peak['sum_kb']):.2f} GB; trainer {memwatch.gb(trainer['Pss']):.2f} GB "
+          f"(RSS {memwatch.gb(trainer['Rss']):.2f}, ru_maxrss {rows[-1]['mem/peak_rss_gb']:.2f}), workers "
+          f"{memwatch.gb(workers['Pss']):.3f}")
+    assert peak["sum_kb"] >= trainer["Pss"] > 10 * workers["Pss"] > 0
+    assert trainer["Rss"] * 1024 > 0.5e9 * rows[-1]["mem/peak_rss_gb"]   # the kernel's own count, in the same units
     gaps = [r["sync/logp_diff_mean"] for r in rows]
     samples = [json.loads(x) for x in open(tmp_path / "run" / "samples.jsonl")]
     print(f"sync/logp_diff_mean per step {gaps}, max {[r['sync/logp_diff_max'] for r in rows]}; truncated "

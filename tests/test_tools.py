@@ -1,5 +1,6 @@
 """The tools beside dapo.py: the memory planner (tools/plan.py, run_32b.sh --plan), the ladder's report
-(tools/ladder.py), the demo model's warm-start and tasks (lib/demo_model.py)."""
+(tools/ladder.py), the memory sampler and the showcase's phases (tools/memwatch.py, tools/showcase.py), the demo
+model's warm-start and tasks (lib/demo_model.py)."""
 import os
 import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
@@ -534,3 +535,85 @@ def test_bench_prefix_table_gives_medians_after_the_first_step_and_plain_over_sh
     out = bench_prefix.table({"ladder": {"plain": rows(6.0, 9.0, 6000), "shared": rows(2.0, 5.0, 1500)}})
     assert "| ladder | plain | 12.00 | 18.00 | 6,000 |" in out and "| ladder | shared | 4.00 | 10.00 | 1,500 |" in out
     assert "| ladder | plain / shared | 3.00x | 1.80x | 4.00x |" in out
+
+
+def _fake_proc(root, procs):
+    """A /proc of our own: {pid: (ppid, argv, RssAnon kB, Pss_File kB)}; a process with RssAnon None is a zombie."""
+    for pid, (ppid, argv, anon, files) in procs.items():
+        d = root / str(pid)
+        d.mkdir(exist_ok=True)
+        (d / "stat").write_text(f"{pid} ({argv[0][:15]} (x) y) S {ppid} {pid} 0 0 -1\n")  # a name with ( ) and spaces
+        (d / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
+        (d / "status").write_text(f"Name:\tx\nVmRSS:\t{(anon or 0) + files} kB\n"
+                                  + (f"RssAnon:\t{anon} kB\n" if anon is not None else ""))
+        (d / "smaps_rollup").write_text(f"00400000-7fff [rollup]\nRss: {(anon or 0) + files} kB\n"
+                                        f"Pss_File: {files} kB\nPss_Shmem: 0 kB\n")
+
+
+def test_memwatch_sums_a_process_tree_and_finds_its_peak(tmp_path, monkeypatch):
+    """tools/memwatch.py on a /proc of our own: the tree of a pid (its children's children, not its neighbours or
+    parent), each process named (reward.py's workers by what they run), its memory its anonymous pages plus its
+    share of files, the latter read from smaps_rollup at most every 5 s; a zombie left out. Over samples: the
+    peak of the sum, what each held then, and each name's own peak as the most its processes held at once (a
+    worker and its replacement never count twice)."""
+    import memwatch
+    worker = ["python", "-c", "import reward; reward._worker_main('reward:MATH')"]
+    _fake_proc(tmp_path, {1: (0, ["init"], 10, 0), 100: (1, ["python", "dapo.py", "--x"], 5_000_000, 200_000),
+                          101: (100, worker, 40_000, 10_000), 102: (101, ["sh"], 1_000, 500),
+                          103: (100, worker, None, 0), 200: (1, ["python", "other.py"], 9_000_000, 0)})
+    assert memwatch.tree(100, str(tmp_path)) == [100, 101, 103, 102]
+    cache = {"names": {}, "shared": {}}
+    snap = memwatch.snapshot(100, str(tmp_path), cache)
+    assert sorted(snap) == [100, 101, 102]  # 103: a zombie
+    assert snap[100] == {"name": "dapo.py", "Pss": 5_200_000, "Anon": 5_000_000, "Files": 200_000, "Shmem": 0,
+                         "Rss": 5_200_000}
+    assert snap[101]["name"] == "reward worker" and snap[102]["name"] == "sh"
+    _fake_proc(tmp_path, {100: (1, ["python", "dapo.py"], 6_000_000, 900_000)})
+    assert memwatch.snapshot(100, str(tmp_path), cache)[100]["Pss"] == 6_000_000 + 200_000  # files: 5 s old at most
+    now = memwatch.time.monotonic()
+    monkeypatch.setattr(memwatch.time, "monotonic", lambda: now + 6)
+    assert memwatch.snapshot(100, str(tmp_path), cache)[100]["Pss"] == 6_900_000
+    row = lambda name, pss: {"name": name, "Pss": pss, "Anon": pss, "Files": 0, "Shmem": 0, "Rss": pss}  # noqa: E731
+    samples = [(0.0, {100: row("dapo.py", 3_000_000)}),
+               (1.0, {100: row("dapo.py", 5_000_000), 101: row("reward worker", 50_000)}),
+               (2.0, {100: row("dapo.py", 4_000_000), 101: row("reward worker", 60_000),
+                      104: row("reward worker", 40_000)}),
+               (3.0, {100: row("dapo.py", 4_900_000), 104: row("reward worker", 80_000), 105: row("reward worker", 90_000)})]
+    p = memwatch.peaks(samples)
+    assert p["sum_kb"] == 5_070_000 and p["t"] == 3.0 and sorted(p["at_peak"]) == [100, 104, 105]
+    assert p["own"] == {"dapo.py": {"Pss": 5_000_000, "Rss": 5_000_000},
+                        "reward worker": {"Pss": 170_000, "Rss": 170_000}}  # 3 pids' peaks would sum to 200,000
+    lines = memwatch.table(samples, 0.0, "update of step 2")  # in GB of 1e9 bytes, from kB of 1024
+    assert lines[0] == ("peak of all processes' memory (PSS): 5.19 GB, 3 s in, in the update of step 2; "
+                        "at that moment:"), lines
+    assert re.match(r" +dapo.py +5.02 +5.02 +0.00 +0.00 +5.12$", lines[2]), lines
+    assert re.match(r" +reward worker x2 +0.17 +0.17 +0.00 +0.00 +0.17$", lines[3]), lines
+
+
+def test_showcase_tells_the_memory_peak_by_phase():
+    """tools/showcase.py's phases from when the run's lines came and its metrics: start-up up to the evaluation
+    before training, then per step generation + scoring, the update and the sync for the seconds the metrics give,
+    evaluation and logs up to the step's own line; after the last, the checkpoint. The peak of each phase, and the
+    report's line for the run's peak, name them."""
+    import showcase
+    lines = [(1.0, "presets: laptop\n"), (30.0, "eval (before): eval/avg@4 0.1\n"),
+             (60.0, "step    1  acc 0.1\n"), (100.0, "eval (step 2): eval/avg@4 0.3\n"),
+             (101.0, "step    2  acc 0.2\n")]
+    metrics = [{"step": 1, "time/step": 29.0, "time/update": 20.0, "time/sync": 1.0},
+               {"step": 2, "time/step": 30.0, "time/update": 18.0, "time/sync": 2.0}]
+    spans = showcase.phases(lines, metrics, 120.0)
+    assert spans == [(0.0, 30.0, "start-up, evaluation before", None),
+                     (30.0, 38.0, "generation + scoring", 1), (38.0, 58.0, "update", 1), (58.0, 59.0, "weight sync", 1),
+                     (59.0, 60.0, "evaluation, logs", 1),
+                     (60.0, 70.0, "generation + scoring", 2), (70.0, 88.0, "update", 2), (88.0, 90.0, "weight sync", 2),
+                     (90.0, 101.0, "evaluation, logs", 2), (101.0, 120.0, "checkpoint, exit", None)]
+    assert showcase.phases(lines[:3], metrics, 120.0) == []  # a line missing: no phases rather than wrong ones
+    row = lambda pss: {100: {"name": "dapo.py", "Pss": pss, "Anon": pss, "Files": 0, "Shmem": 0, "Rss": pss}}  # noqa: E731
+    samples = [(t, row(kb)) for t, kb in ((10, 3e6), (35, 4e6), (50, 6e6), (80, 6.5e6), (95, 5e6), (110, 5.5e6))]
+    assert showcase.phase_peaks(samples, spans) == {
+        "start-up, evaluation before": (3e6, 10), "generation + scoring": (4e6, 35), "update": (6.5e6, 80),
+        "evaluation, logs": (5e6, 95), "checkpoint, exit": (5.5e6, 110)}  # no sample fell in a sync
+    out = showcase.memory_lines({"memory": {"lines": lines, "samples": samples, "end": 120.0}, "metrics": metrics})
+    assert out[0].startswith("peak of all processes' memory (PSS): 6.66 GB, 80 s in, in the update of step 2;"), out
+    assert out[-1] == ("  each phase's peak (GB): start-up, evaluation before 3.07, generation + scoring 4.10, "
+                       "update 6.66, evaluation, logs 5.12, checkpoint, exit 5.63"), out
