@@ -940,10 +940,14 @@ CHOICES = dict(task=("add", "carry"), loss=OBJECTIVES, adv_estimator=ADV_ESTIMAT
                precision=("", "bf16", "fp32"), dppo_anchor=("rollout", "recompute"))
 # The laptop preset: tools/real_model.py's SmolLM2-135M-Instruct (its config says so) on 2 CPU cores, for
 # short answers (examples/fewshot_addition.py's sums learn with it in ~10 minutes); bf16 where the CPU has
-# bf16 instructions (twice as fast as fp32 there, and it learns as well: docs/real-model.md).
+# bf16 instructions (twice as fast as fp32 there, and it learns as well: docs/real-model.md). The KV cache
+# holds 273 blocks of 128 tokens (2.9 MB each in bf16, 5.9 MB in fp32: presets sets it by the precision) for
+# the largest generate call's 257: the held-out 64 prompts x 4, each of 92 + at most 32 tokens in one block,
+# and vLLM's null block. With fewer, sequences would wait for blocks, and the schedule (so each one's sampling
+# noise) would change; longer prompts or responses need more (--cpu-kv-cache-gb).
 LAPTOP = dict(max_prompt_len=256, max_response_len=32, overlong_cache_len=8, prompts_per_step=8, group_size=8,
               gen_batch_size=16, num_mini_batches=2, micro_batch_size=16, lr=2e-5, warmup_steps=2, steps=12,
-              eval_every=2, eval_samples=4, cpu_kv_cache_gb=2.0, out_dir="runs/laptop",
+              eval_every=2, eval_samples=4, cpu_kv_cache_gb="0.75 in bf16, 1.5 in fp32", out_dir="runs/laptop",
               precision="fp32" if check_data.cpu_lacks_bf16() else "bf16")
 # On CUDA with --model (and no preset above): gradient checkpointing and one max-length sequence per micro-batch,
 # as run_32b.sh and verl's ppo_max_token_len_per_gpu, so that the README's GPU commands fit 80 GB GPUs by the
@@ -963,7 +967,8 @@ def presets(cfg, cuda=None):
     if not cfg.model or "dapo_demo_task" in marks:
         out.append((f"--task {cfg.task}", CARRY if cfg.task == "carry" else DEMO))
     elif marks.get("dapo_preset") == "laptop":
-        out.append(("laptop", LAPTOP))
+        fp32 = (cfg.precision or LAPTOP["precision"]) == "fp32"
+        out.append(("laptop", dict(LAPTOP, cpu_kv_cache_gb=1.5 if fp32 else 0.75)))
     elif (torch.cuda.is_available() if cuda is None else cuda):
         out.append(("cuda", dict(CUDA, micro_batch_tokens=cfg.max_prompt_len + cfg.max_response_len)))
     preset = OBJECTIVES.get(cfg.loss, {}).get("preset")

@@ -249,7 +249,11 @@ def test_a_cpu_run_with_the_recipe_batch_is_told_what_a_step_means(tmp_path, cap
     config = json.load(open(os.path.join(model, "config.json")))
     json.dump({**config, "dapo_preset": "laptop", "max_position_embeddings": 512}, open(os.path.join(model, "config.json"), "w"))
     cfg = dapo.parse_config(["--model", model])
-    assert {k: getattr(cfg, k) for k in dapo.LAPTOP} == dapo.LAPTOP
+    laptop = dict(dapo.LAPTOP, cpu_kv_cache_gb=0.75 if dapo.LAPTOP["precision"] == "bf16" else 1.5)
+    assert {k: getattr(cfg, k) for k in dapo.LAPTOP} == laptop
+    for precision, kv in (("bf16", 0.75), ("fp32", 1.5)):  # the same 273 blocks of 128 tokens
+        assert dapo.parse_config(["--model", model, "--precision", precision]).cpu_kv_cache_gb == kv
+    assert dapo.parse_config(["--model", model, "--cpu-kv-cache-gb", "2"]).cpu_kv_cache_gb == 2.0
     dapo.check_config(cfg)
     assert dapo.cpu_batch_note(cfg) is None and dapo.presets(cfg)[0][0] == "laptop"
 

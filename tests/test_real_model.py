@@ -124,6 +124,34 @@ def test_a_real_pretrained_model_through_the_whole_loop(real_model, tmp_path):
 # -----------------------------------------------------------------------------------------
 # Helpers
 
+def test_the_laptop_presets_kv_cache_holds_the_showcases_largest_generate_call(real_model):
+    """The laptop preset's KV cache, in bf16 and in fp32, holds every sequence of the showcase's largest generate
+    call at once: its 64 held-out prompts x 4 (examples/fewshot_addition.py; a generation batch, 16 x 8, is half
+    that), each its prompt and up to --max-response-len tokens in 128-token blocks (vLLM's default on CPU),
+    counted without prefix sharing, and vLLM's null block. With fewer blocks sequences would wait, and the
+    schedule, so the samples, would change (vLLM 0.32 on the showcase used 257 of 273 blocks, none waited, none
+    was preempted). vLLM's arithmetic: blocks = bytes // (K and V x layers x KV heads x head dim x 128 x the
+    dtype's bytes). Two thirds of the preset would not hold them."""
+    import dapo
+    from transformers import AutoConfig, AutoTokenizer
+    sys.path.insert(0, os.path.join(HERE, "examples"))
+    import fewshot_addition
+    train, held = fewshot_addition.rows()
+    tok, conf = AutoTokenizer.from_pretrained(real_model), AutoConfig.from_pretrained(real_model)
+    longest = max(map(len, dapo.encode_prompts(tok, [r["prompt"] for r in train + held])))
+    head_dim = getattr(conf, "head_dim", None) or conf.hidden_size // conf.num_attention_heads
+    for precision, size in (("bf16", 2), ("fp32", 4)):
+        cfg = dapo.parse_config(["--model", real_model, "--precision", precision])
+        per_sequence = -(-(longest + cfg.max_response_len) // 128)
+        calls = (min(len(held), cfg.eval_max_prompts or len(held)) * cfg.eval_samples,
+                 cfg.gen_batch_size * cfg.group_size)
+        need = max(calls) * per_sequence + 1
+        blocks = lambda gb: int(gb * 2**30) // (2 * conf.num_hidden_layers * conf.num_key_value_heads  # noqa: E731
+                                               * head_dim * 128 * size)
+        assert blocks(cfg.cpu_kv_cache_gb) >= need > blocks(cfg.cpu_kv_cache_gb * 2 / 3), (
+            precision, longest, need, blocks(cfg.cpu_kv_cache_gb))
+
+
 @pytest.fixture(scope="session")
 def real_model():
     """SmolLM2-135M-Instruct as a model directory, built by tools/real_model.py into the tests' cache."""
