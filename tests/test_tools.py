@@ -338,6 +338,12 @@ def test_real_ladder_runs_table1_cumulatively_and_figure2_with_one_difference(tm
     plan = ladder.real_plan()
     cfgs = {(job[0], job[1]): dapo.parse_config(ladder.real_command(args, str(model), *job)[2:]) for job in plan}
     assert len(plan) == len(cfgs) == 28
+    order = [(f, s) for f, s, *_ in plan]  # a budget cut short leaves whole seeds of both experiments
+    assert order[:6] == [(f, s) for s in (0, 1, 2) for f in ("dapo", "dapo_eps_high_0.2")]
+    assert order[6:21] == [(f, s) for s in (0, 1, 2) for f in
+                           ("grpo", "overlong_filtering", "plus_clip_higher", "soft_overlong", "token_level")]
+    assert order[21:] == [(f, s) for s in (3, 4) for f in ("dapo", "dapo_eps_high_0.2")] + [
+        ("clip_higher", s) for s in (0, 1, 2)]
     for (folder, seed), cfg in cfgs.items():
         dapo.check_config(cfg)
         assert (cfg.max_response_len, cfg.overlong_cache_len, cfg.num_mini_batches, cfg.eval_every,
@@ -394,7 +400,7 @@ def test_real_ladder_cost_skips_finished_runs_and_copies_their_records(tmp_path,
     assert done == [("grpo", 0), ("grpo", 1)] and [(f, s) for f, s, *_ in uncopied] == [("grpo", 1)]
     assert ladder.cost_line(args, plan, todo) == (
         "26 of 28 runs to go (finished ones skipped): 16 x ~7.0 min (10 steps; the mean of 1 finished), "
-        "10 x ~16.5 min (20 steps, dynamic sampling; estimated): ~277 minutes (~4.6 hours) on 2 CPU cores")
+        "10 x ~11.5 min (20 steps, dynamic sampling; estimated): ~227 minutes (~3.8 hours) on 2 CPU cores")
     ladder.copy_records(str(runs / "grpo" / "seed1"), str(records / "grpo" / "seed1"))
     assert sorted(os.listdir(records / "grpo" / "seed1")) == ["ladder.json", "metrics.jsonl", "run.json", "stdout.txt"]
     for name in ladder.RECORDS:

@@ -13,7 +13,7 @@ the carry task's fixed one), so the spread over seeds is the noise of RL alone.
     python tools/ladder.py --report           # only rebuild the table and docs/ladder.png from runs/ladder
     python tools/ladder.py --print-commands   # the command lines, to run them elsewhere
     python tools/ladder.py --variants         # the objectives and knobs after DAPO; naive GRPO the reference
-    python tools/ladder.py --real             # Table 1 and Figure 2 on SmolLM2-135M (28 runs, ~5 hours, 2 cores)
+    python tools/ladder.py --real             # Table 1 and Figure 2 on SmolLM2-135M (28 runs, ~4 hours, 2 cores)
     python tools/ladder.py --real --report    # only rebuild its tables and plots from docs/real-model-runs
 
 --variants runs the objectives proposed after DAPO on DAPO's pipeline (every technique on, only
@@ -97,10 +97,10 @@ DISK = ["--save-every", "0", "--keep-checkpoints", "1"]
 # them), run.json (config, versions, git commit), the screen's output, the ladder's own record (minutes taken).
 RECORDS = ("metrics.jsonl", "run.json", "stdout.txt", "ladder.json")
 # Minutes a --real run takes on 2 CPU cores, by (steps, dynamic sampling): the cost line's estimate until runs of
-# that kind have finished (then their mean). 10 steps without dynamic sampling took 8.1-9.0 minutes and 10 DAPO
-# steps 9.1-10.0 (2 cores of an Intel Xeon, bf16, dapo.py before the shared-prefix forward): 20 DAPO steps, with
-# five evaluations, ~16.5.
-REAL_MINUTES = {(10, False): 8.5, (20, True): 16.5}
+# that kind have finished (then their mean). Before the shared-prefix forward, 10 steps without dynamic sampling
+# took 8.1-9.0 minutes and 10 DAPO steps 9.1-10.0 (2 cores of an Intel Xeon, bf16); with it a ladder step is
+# ~1.5x faster (docs/throughput.md): ~6 minutes, and ~11.5 for 20 DAPO steps with five evaluations.
+REAL_MINUTES = {(10, False): 6.0, (20, True): 11.5}
 # Each variant's own statistic (the last-steps mean, in the report): what its flag does
 OWN = ["kl/ref", "entropy/selected_frac", "tis/clipped_frac", "tis/clipped_seq_frac", "mismatch/kl_k1",
        "filter/carried", "filter/set_aside"]
@@ -316,12 +316,15 @@ def plot(args, runs, counts):
 # --real: the runs, their cost, their records
 
 def real_plan():
-    """Every run of --real, as (folder, seed, settings, flags), in the order they run: Figure 2's two arms at 20
-    steps, seed by seed (the DAPO arm gives Table 1's DAPO row: no 10-step DAPO run), then Table 1's other rows
-    at REAL's 10 steps, seed by seed, then Clip-Higher alone; so that a budget cut short leaves whole seeds."""
+    """Every run of --real, as (folder, seed, settings, flags), in the order they run, so that a budget cut short
+    leaves whole seeds of both experiments: Figure 2's two arms at 20 steps for Table 1's seeds (its DAPO arm gives
+    Table 1's DAPO row: no 10-step DAPO run), then Table 1's other rows at REAL's 10 steps, seed by seed, then
+    Figure 2's other seeds, then Clip-Higher alone."""
     figure2 = [(folder, seed, FIGURE2, flags) for seed in FIGURE2_SEEDS for _, flags, folder in FIGURE2_ARMS]
     table1 = [(folder, seed, REAL, flags) for seed in REAL_SEEDS for _, _, flags, folder in REAL_RUNGS[:-1]]
-    return figure2 + table1 + [(CLIP_ALONE[3], seed, REAL, CLIP_ALONE[2]) for seed in REAL_SEEDS]
+    first = [job for job in figure2 if job[1] in REAL_SEEDS]
+    return (first + table1 + [job for job in figure2 if job not in first] +
+            [(CLIP_ALONE[3], seed, REAL, CLIP_ALONE[2]) for seed in REAL_SEEDS])
 
 
 def real_command(args, model, folder, seed, settings, flags):
