@@ -6,7 +6,7 @@ processes at its peak, the bytes pushed into vLLM per step) and docs/real-model.
 by step; needs matplotlib). The memory is tools/memwatch.py's, sampled every 0.2 s while each run goes, and
 told by phase: start-up, generation and scoring, the update, the weight sync, evaluation, the final checkpoint.
 
-    python tools/showcase.py                           # seeds 0 1 2 (~45 minutes on 2 CPU cores)
+    python tools/showcase.py                           # seeds 0 1 2 (~15 minutes on 2 CPU cores)
     python tools/showcase.py --report                  # the report and the plot only, from runs/showcase
     python tools/showcase.py --seeds 0 --tag bf16 -- --precision bf16   # dapo.py flags after --
 """
