@@ -503,18 +503,32 @@ def by_seed(rows):
     return table
 
 
+# What a run executes: a commit that differs from another only outside these (docs, the records, tools/) ran the
+# same code.
+RUN_CODE = ("dapo.py", "reward.py", "lib", "examples")
+
+
+def same_code(a, b):
+    """Whether git commits a and b hold the same RUN_CODE (False where git does not know one of them)."""
+    out = subprocess.run(["git", "diff", "--quiet", a, b, "--", *RUN_CODE], cwd=ROOT, capture_output=True)
+    return a == b or out.returncode == 0
+
+
 def code_table(runs):
-    """Which code each run ran on (run.json's git commit), the commits that differ from most runs' marked, and
-    the minutes each took. runs: {folder: [run]}."""
+    """Which code each run ran on (run.json's git commit; one whose RUN_CODE differs from most runs' marked), and
+    the minutes each took. runs: {folder: [run]}. Returns the table, the usual commit, and the runs whose commit
+    differs from it: (in code, only outside it)."""
     commits = Counter(r["commit"] for rs in runs.values() for r in rs)
     usual = commits.most_common(1)[0][0]
+    same = {c: same_code(usual, c) for c in commits}
     table = ["| runs | steps | git commit | minutes, by seed |", "|---|---|---|---|"]
     for folder, rs in runs.items():
-        mark = lambda r: r["commit"][:10] if r["commit"] == usual else f"**{r['commit'][:10]} (differs)**"  # noqa: E731
+        mark = lambda r: r["commit"][:10] if same[r["commit"]] else f"**{r['commit'][:10]} (differs)**"  # noqa: E731
         said = ", ".join(dict.fromkeys(mark(r) + (" + uncommitted changes" if r["uncommitted"] else "") for r in rs))
         minutes = " / ".join(f"{r['minutes']:.1f}" if r["minutes"] else "-" for r in rs)
         table.append(f"| {folder} | {rs[0]['steps']} | {said} | {minutes} |")
-    return table, usual, sum(n for c, n in commits.items() if c != usual)
+    return table, usual, (sum(n for c, n in commits.items() if not same[c]),
+                          sum(n for c, n in commits.items() if same[c] and c != usual))
 
 
 def report_real(args):
@@ -569,8 +583,9 @@ def report_real(args):
         print("\n".join(figure2_table(arms, tail2)))
     print("\nHeld-out avg@4 at each evaluation (steps 0, 5, 10, ...), by seed:\n")
     print("\n".join(by_seed([(n, rs) for n, _, rs in table1 + alone] + arms)))
-    table, usual, differ = code_table(runs)
-    print(f"\nThe code: {sum(map(len, runs.values())) - differ} runs on git commit {usual}" +
+    table, usual, (differ, alike) = code_table(runs)
+    print(f"\nThe code: {sum(map(len, runs.values())) - differ - alike} runs on git commit {usual}" +
+          (f", {alike} on other commits with the same {', '.join(RUN_CODE)} (git diff)" if alike else "") +
           (f"; {differ} on another (marked)" if differ else "") + ". The minutes each run took:\n")
     print("\n".join(table))
     plt = pyplot()
