@@ -510,8 +510,8 @@ RUN_CODE = ("dapo.py", "reward.py", "lib", "examples")
 
 def same_code(a, b):
     """Whether git commits a and b hold the same RUN_CODE (False where git does not know one of them)."""
-    out = subprocess.run(["git", "diff", "--quiet", a, b, "--", *RUN_CODE], cwd=ROOT, capture_output=True)
-    return a == b or out.returncode == 0
+    return a == b or subprocess.run(["git", "diff", "--quiet", a, b, "--", *RUN_CODE], cwd=ROOT,
+                                    capture_output=True).returncode == 0
 
 
 def code_table(runs):
