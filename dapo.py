@@ -19,8 +19,8 @@ Naive GRPO is: --eps-high 0.2 --no-dynamic-sampling --no-token-level-loss
     bash run_32b.sh                                 # the paper's 32B run, multi-node
     python tools/plan.py --model ...                # what each GPU and node will hold
     python tools/gpu_check.py --model ...           # first, on a new GPU machine
-A real ~100M-parameter model on a laptop (2 CPU cores, the LAPTOP preset): held-out accuracy on
-2-digit sums rises from ~0.1 to ~0.6-0.7 in ~10 minutes:
+A real 135M-parameter model on a laptop (2 CPU cores, the LAPTOP preset): held-out accuracy on
+2-digit sums rises from ~0.1 to ~0.6-0.7, the whole command in ~4.3 minutes (docs/real-model.md):
     python examples/fewshot_addition.py data/add
     python dapo.py --model $(python tools/real_model.py) --train-data data/add/train.jsonl \\
         --eval-data data/add/eval.jsonl
@@ -31,8 +31,9 @@ rollout and its filter, the update, evaluation. It leaves out what came after DA
 each behind a flag and off by default: later objectives and advantage estimators (the tables
 OBJECTIVES and ADV_ESTIMATORS), rollout corrections, a KL penalty, carried surplus, skipped
 prompts, LoRA. Part 3 is the plumbing: vLLM in this process, FSDP2, packed rows, checkpoints, logs.
-Where Part 1 calls Part 2 or 3, the line says so. Beside this file: reward.py (Eq. 7's checker),
-lib/ (what this file imports), tools/ (scripts that import it), examples/ (tasks of one's own).
+Where Part 1 calls Part 2 or 3, the line says so and what the call gives; where it matters only on
+several ranks, it says that too. Beside this file: reward.py (Eq. 7's checker), lib/ (what this
+file imports), tools/ (scripts that import it), examples/ (tasks of one's own).
 """
 
 import atexit
@@ -137,7 +138,10 @@ class DapoConfig:
 #   len, truncated         vLLM: |o_i|; whether generation was cut at --max-response-len
 #   text                   generate (Part 3): the decoded response (to_trainers drops it)
 #   score, success         --reward, the function reward.py calls (Eq. 7: R = ±1 and the verdict; a
-#                          reward of one's own: any number, and whether it counts as a success)
+#                          reward of one's own: any number, and whether it counts as a success).
+#                          "score" is that function's value, "reward" the shaped one below; in the
+#                          metrics score/* and reward/mean follow, but reward/errors and
+#                          reward/timeouts count the function's failures
 #   answer, metrics        --reward, where it gives them: the answer read (maj@k); score/<name>
 #   failed                 --reward raised, crashed, overran or returned garbage (group's lowest)
 #   reward                 shape_rewards: the score plus Eq. 13's penalty (what Eq. 9 reads)
@@ -145,22 +149,37 @@ class DapoConfig:
 #   trained                overlong_filtering (Sec. 3.4): False masks the sample's loss
 #   trainer                to_trainers (Part 3): the rank that trains it; on every other rank the
 #                          sample is a stub (no tokens), which the update reads only for its length
-#   old_logp               old_logprobs, or old_logp_of in the first mini-batch (Part 3): log π_θold
+#   old_logp               log π_θold of each response token, (|o_i|,), the trainer's before any
+#                          update of the step (Part 3): a no-grad pass over every mini-batch but
+#                          the first (old_logprobs); the first's is its own forward, detached, as
+#                          no step has run yet (old_logp_of), unless select_tokens needs it first
+#                          (--top-entropy-quantile; an OBJECTIVES entry with "picks"). check_sync
+#                          compares it with vllm_logp before the first optimizer step
 #   ref_logp, old_entropy  old_logprobs (Part 3): log π_ref (--kl-coef); π_θold's entropy
 #                          (--top-entropy-quantile)
 #   carried                --carry-surplus (Part 2): a group of the step before
 #   dummy                  micro_batches (Part 3): a zero-weight stub keeping FSDP's ranks in step
+#                          (on several ranks only: one process never has one)
 #
 # The run: what set_up (Part 3) builds for the loop. Key: what it holds.
 #   cfg, device            the Config; this rank's accelerator (or the CPU)
 #   llm, tokenizer, pad_id vLLM in this process (it samples from π_θold); the tokenizer; its pad id
-#   model, opt             π_θ, sharded with FSDP2 (fp32 master weights), and its AdamW
+#   model, opt             π_θ, sharded with FSDP2 (fp32 master weights), and its AdamW.
+#                          model.forward_logprobs(batch, T, chunk) (Part 3): (B, R) log π_θ and
+#                          entropy of each response token: the decoder over packed rows, then an
+#                          fp32 log-softmax at T and a gather; it changes no weight
 #   train_rows, train_ids  the data rows, their prompts' token ids (eval_rows, eval_ids: held out)
 #   sampler                an endless shuffled pass over train_rows: take(k) gives k row indices
 #   state, ckpt            what a checkpoint saves (step, data order, the first evaluation); the
 #                          checkpoint resumed, or None
 #   carried, solved, ref   after DAPO (Part 2): --carry-surplus's groups, --skip-solved's record,
 #                          π_ref (--kl-coef)
+#   path                   the model directory loaded (on resume, the checkpoint's export)
+#   sleep                  whether vLLM frees its memory while the trainer works (CUDA, vllm_sleep)
+#   logs                   rank 0's open metrics.jsonl and samples.jsonl in --out-dir (others: none)
+#   step, bar, clock       steps_left (Part 3), each step: its number from 1, the tqdm bar, the
+#                          phases' start times (to_trainers and push_weights stamp theirs)
+#   meta_bytes             the bytes share_groups received this step (to_trainers reports them)
 
 
 # -----------------------------------------------------------------------------------------
@@ -174,7 +193,8 @@ Tokens = NamedTuple("Tokens", [(name, torch.Tensor) for name in (
     "logp", "old_logp", "log_ratio", "ratio", "adv", "mask", "rollout_logp", "picked")])
 # Eq. 12's denominator, decided once per mini-batch (loss_normaliser): each sample's mean first
 # (GRPO), or every token alike (DAPO), then divided by n, a count over the WHOLE mini-batch (every
-# micro-batch and rank), so that the micro-batch losses add up exactly.
+# micro-batch and rank), so that the micro-batch losses add up exactly. Eq. 12 writes 1 / Σ|o_i|
+# over one group's G outputs, inside the expectation: a mini-batch-wide count is a reading of it.
 Normaliser = NamedTuple("Normaliser", [("per_sample", bool), ("n", float)])
 
 
@@ -185,27 +205,27 @@ def policy_loss(logp, old_logp, advantages, mask, cfg, denom=None, more=None):
     (Part 2's loss_terms), None for the paper's objective. Returns (loss, stats)."""
     log_ratio = torch.where(mask.bool(), logp - old_logp, 0.0).clamp(-20.0, 20.0)  # as verl's
     ratio = torch.exp(log_ratio)  # Eq. 9's r_{i,t} = π_θ(o_{i,t} | q, o_{i,<t}) / π_θold(...)
-    more = more or {}
+    more = more or {}  # loss_terms' (Part 2): {} at DAPO's defaults
     rollout, picked = more.get("rollout_logp", old_logp), more.get("picked", torch.zeros_like(mask))
     t = Tokens(logp, old_logp, log_ratio, ratio, advantages.unsqueeze(-1), mask, rollout, picked)
-    # OBJECTIVES, Part 2's table: DAPO's entry is dapo_token_loss (Eq. 10), with Eq. 12's normaliser
-    per_token, low, high, *own = OBJECTIVES[cfg.loss]["token_loss"](t, cfg)
+    token_loss = dapo_token_loss if cfg.loss == "dapo" else OBJECTIVES[cfg.loss]["token_loss"]
+    per_token, low, high, *own = token_loss(t, cfg)  # Eq. 10; a later --loss: Part 2's table
     stats = own[0] if own else {}
-    per_token = adjust_token_losses(per_token, t, cfg, more, stats)  # Part 2: none by default
+    if more or cfg.dual_clip:  # a flag after DAPO is set: never at DAPO's defaults
+        per_token = adjust_token_losses(per_token, t, cfg, more, stats)  # Part 2: (B, T) again
     denom = denom or Normaliser(per_sample=False, n=mask.sum())
     masked = per_token * mask
     if denom.per_sample:  # GRPO: each sample weighs the same, whatever its length
         total = (masked.sum(-1) / mask.sum(-1).clamp(min=1)).sum()
     else:  # Eq. 12, DAPO's token-level loss: every token of the mini-batch weighs the same
         total = masked.sum()
-    stats.update(token_statistics(t, low, high))  # Part 3: where the clip binds, the KL, ...
+    stats.update(token_statistics(t, low, high))  # Part 3, no grad: clip/*, approx_kl, prob/*
     return total / max(float(denom.n), 1.0), stats
 
 
 def group_advantages(rewards, group_size, eps=1e-6):
-    """Eq. 9: Â_{i,t} = (R_i - mean(R_group)) / std(R_group), the unbiased std (+ eps against a
-    zero std, not in the paper), for every token t of o_i. rewards: (B,), groups as contiguous
-    blocks of G -> (B,)."""
+    """Eq. 9: Â_{i,t} = (R_i - mean(R_group)) / std(R_group) for every token t of o_i, the unbiased
+    std (+ eps against a zero std, not in the paper). rewards (B,), groups in G-blocks -> (B,)."""
     r = rewards.view(-1, group_size).float()
     return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True, unbiased=True) + eps)).view(-1)
 
@@ -231,7 +251,7 @@ def dynamic_sampling_mask(scores, group_size, rtol=1e-4):
 
 def loss_normaliser(mini, cfg):
     """Eq. 12's denominator for a mini-batch (`mini`: every rank's samples): its trained tokens;
-    with --no-token-level-loss, GRPO's count of samples; a later objective's own (OBJECTIVES)."""
+    GRPO's samples (--no-token-level-loss); a later --loss's "norm" (OBJECTIVES; DAPO's: none)."""
     trained = [s for s in mini if s["trained"]]
     how = OBJECTIVES[cfg.loss].get("norm") or ("token" if cfg.token_level_loss else "sample")
     if how == "max_len":  # a constant, L_max x samples (Dr. GRPO)
@@ -262,19 +282,22 @@ def warmup_lr(step, cfg):
 
 
 # -----------------------------------------------------------------------------------------
-# The loop: the paper's Algorithm 1
+# The loop: the paper's Algorithm 1. Part 2 enters through four hooks, each off at DAPO's defaults:
+# after_rollout acts under --carry-surplus or --skip-solved; select_tokens under
+# --top-entropy-quantile < 1 or a --loss whose OBJECTIVES entry has "picks"; loss_terms gives None
+# unless --tis-cap, --off-policy-mask, --kl-coef, --dual-clip, --top-entropy-quantile < 1, "picks"
+# or a --loss that reads vLLM's log-probs (dppo_*); adjust_token_losses runs on what loss_terms
+# gives, or under --dual-clip.
 
 def train(cfg):
-    """Algorithm 1, its line numbers in the comments. `step` counts from 0 here; the logs,
-    checkpoints and evaluations number steps from 1, as Algorithm 1 does. Returns held-out metrics
-    (before, after)."""
-    run = set_up(cfg)  # Part 3: checks, data, vLLM, the sharded policy and optimizer, resume, logs
+    """Algorithm 1, its line numbers in the comments. Returns held-out metrics (before, after)."""
+    run = set_up(cfg)  # Part 3: the run (above): checks, data, vLLM, π_θ, AdamW, resume, logs
     if cfg.eval_only:
         return evaluate(run, os.path.basename(run.path.rstrip("/")) or "model"), {}
     if not run.ckpt:
         run.state["first_eval"] = evaluate(run, "before")
     after = None
-    for step in steps_left(run):  # 1: for step = 1, ..., M (Part 3: with a progress bar)
+    for step in steps_left(run):  # 1: for step + 1 = 1, ..., M (Part 3: on resume, from its step)
 
         def draw(idx, b):  # 2, 4, 5: prompts; G responses each from π_θold, rewarded (Eq. 7)
             return sample_groups(run, run.train_rows, run.train_ids, idx, cfg.group_size,
@@ -282,22 +305,22 @@ def train(cfg):
 
         # 6-8: Eq. 11 keeps the groups whose rewards differ; while fewer than N are kept, draw again
         kept, surplus, generated, metrics = collect_batch(draw, run.sampler, cfg, run.carried)
-        after_rollout(run, surplus, generated, metrics)  # Part 2: --carry-surplus, --skip-solved
+        after_rollout(run, surplus, generated, metrics)  # Part 2: off at DAPO's defaults
         shape_rewards([s for g in generated for s in g], cfg)  # Eq. 13, added to Eq. 7's reward
         samples = [s for g in kept for s in g]
         metrics["batch/effective_groups"] = set_advantages(samples, cfg)  # 9: Â_{i,t} (Eq. 9)
         overlong_filtering(samples, cfg)  # Sec. 3.4
-        to_trainers(run, samples, metrics)  # Part 3: each sample's tokens to the rank training it
+        to_trainers(run, samples, metrics)  # Part 3, ranks > 1: tokens to the rank training them
         metrics.update(update_policy(run, samples, step))  # 10-11: μ updates maximising Eq. 8
-        metrics.update(push_weights(run))  # 3, for the next step: π_θold <- π_θ, in vLLM (Part 3)
-        if step + 1 == cfg.steps:  # held-out evaluation; the logs and the checkpoint (Part 3)
+        metrics.update(push_weights(run))  # 3, for the next step: π_θold <- π_θ, into vLLM (Part 3)
+        if step + 1 == cfg.steps:  # held-out evaluation (Part 1, below); the logs, a checkpoint
             evals = after = evaluate(run, "after")
         elif cfg.eval_every and (step + 1) % cfg.eval_every == 0:
             evals = evaluate(run, f"step {step + 1}")
         else:
             evals = {}
-        log_step(run, step + 1, metrics, generated, samples, evals)
-        save_checkpoint(run, step + 1)  # every --save-every steps, and after the last
+        log_step(run, step + 1, metrics, generated, samples, evals)  # Part 3: writes the logs only
+        save_checkpoint(run, step + 1)  # Part 3: every --save-every steps, and after the last
     first, after = run.state["first_eval"], after or evaluate(run, "after")  # none if resumed at M
     if first and after:
         key = f"eval/avg@{cfg.eval_samples}"
@@ -313,11 +336,11 @@ def sample_groups(run, rows, prompt_ids, idx, n, temperature, top_p, key):
     and scores its share; every rank then gets every group back, in order, but a response's tokens
     stay on the rank "src" that generated it (share_groups, Part 3). Returns (groups, stats)."""
     cfg = run.cfg
-    mine = my_prompts(len(idx), cfg.tp_size)  # Part 3: a TP group's ranks share prompts and seeds
-    t0 = time.perf_counter()
-    local = generate(run, [prompt_ids[idx[j]] for j in mine], n, temperature, top_p, key)  # Part 3
+    mine = my_prompts(len(idx), cfg.tp_size)  # Part 3: this rank's share of idx (one process: all)
+    t0, prompts = time.perf_counter(), [prompt_ids[idx[j]] for j in mine]
+    local = generate(run, prompts, n, temperature, top_p, key)  # Part 3: vLLM's n samples a prompt
     t1 = time.perf_counter()
-    # Eq. 7 (R = ±1: is_equivalent(answer, truth)), or --reward's fn(response, row)
+    # reward.py: Eq. 7 (R = ±1: is_equivalent(answer, truth)), or --reward's fn(response, row)
     try:
         results, rstats = reward.score_batch(
             [s["text"] for s in local], [rows[idx[j]] for j in mine for _ in range(n)], cfg.reward,
@@ -325,7 +348,7 @@ def sample_groups(run, rows, prompt_ids, idx, n, temperature, top_p, key):
     except reward.RewardError as e:  # it stopped loading mid-run: no score can be trusted
         raise DapoError(str(e))
     for s, r in zip(local, results):
-        s["score"], s["success"] = r["reward"], r["success"]
+        s["score"], s["success"] = r["reward"], r["success"]  # score: --reward's value (unshaped)
         s.update((k, r[k]) for k in ("answer", "metrics", "failed") if k in r)
     stats = {"time/rollout": t1 - t0, "time/reward": time.perf_counter() - t1,
              "reward/timeouts": rstats["timeouts"], "reward/errors": rstats["errors"],
@@ -333,22 +356,21 @@ def sample_groups(run, rows, prompt_ids, idx, n, temperature, top_p, key):
              "gen/nll": -sum(sum(s["vllm_logp"]) for s in local),  # entropy/generated's estimate
              "gen/distinct": sum(len({tuple(s["response_ids"]) for s in local[i:i + n]})
                                  for i in range(0, len(local), n))}  # Sec. 3.1's diversity
-    return share_groups(run, local, idx, prompt_ids, n, stats)  # Part 3: every rank, every group
+    return share_groups(run, local, idx, prompt_ids, n, stats)  # Part 3: groups of n, idx's order
 
 
 def collect_batch(sample_fn, sampler, cfg, carried=()):
     """Algorithm 1, lines 2, 4-8: generation batches until N groups pass Eq. 11, or until the
     batches left could not fill it at twice the keep rate so far. sample_fn(prompt indices, batch
-    no) -> (groups, stats). carried: groups of the step before (--carry-surplus, fewer than N),
-    taken first. Returns (the N kept groups, the surplus: the new ones past N, every group
-    generated, stats)."""
+    no) -> (groups, stats). carried: --carry-surplus's groups (fewer than N), taken first. Returns
+    (the N kept groups, the surplus: the new ones past N, every group generated, stats)."""
     G, N = cfg.group_size, cfg.prompts_per_step
     size = cfg.gen_batch_size if cfg.dynamic_sampling else N
     kept, generated, passed, stats, b = list(carried), [], [], {}, 0
     while len(kept) < N:
         if b == cfg.max_gen_batches:
             raise too_few_groups(len(kept), generated, b, cfg)  # Part 3: the error and its fixes
-        groups, t = sample_fn(sampler.take(size), b)
+        groups, t = sample_fn(sampler.take(size), b)  # take: the next `size` shuffled rows (Part 3)
         b += 1
         stats = {k: stats.get(k, 0) + v for k, v in t.items()}
         generated += groups
@@ -360,7 +382,7 @@ def collect_batch(sample_fn, sampler, cfg, carried=()):
         kept += groups
         at_twice = 2 * (cfg.max_gen_batches - b) * size * sum(passed) / len(generated)
         if len(kept) < N and len(kept) + at_twice < N:  # the batches left, at twice the keep rate
-            raise too_few_groups(len(kept), generated, b, cfg)
+            raise too_few_groups(len(kept), generated, b, cfg)  # Part 3: the same error
     stats.update({"filter/kept_frac": sum(passed) / len(generated), "filter/gen_batches": b,
                   "filter/carried": len(carried)})
     return kept[:N], kept[N:], generated, stats
@@ -379,12 +401,14 @@ def shape_rewards(samples, cfg):
 
 
 def set_advantages(samples, cfg):
-    """Eq. 9 (or --adv-estimator's, ADV_ESTIMATORS in Part 2) on the kept groups, into each
-    sample's "adv": the estimator reads the sample keys its entry names, each a (B,) tensor, and G.
+    """A_i of each kept sample, into its "adv": Eq. 9 on the shaped rewards, or a later estimator's.
     Returns how many groups have advantages not all zero (they carry a gradient)."""
-    estimator = ADV_ESTIMATORS[cfg.adv_estimator]  # Part 2's table; grpo: group_advantages
-    columns = [torch.tensor([float(s[key]) for s in samples]) for key in estimator["reads"]]
-    adv = estimator["fn"](*columns, cfg.group_size)
+    if cfg.adv_estimator == "grpo":  # Eq. 9, DAPO's
+        adv = group_advantages(torch.tensor([float(s["reward"]) for s in samples]), cfg.group_size)
+    else:  # Part 2's ADV_ESTIMATORS: fn(a (B,) column per sample key it reads, G) -> (B,)
+        est = ADV_ESTIMATORS[cfg.adv_estimator]
+        columns = [torch.tensor([float(s[key]) for s in samples]) for key in est["reads"]]
+        adv = est["fn"](*columns, cfg.group_size)
     for s, a in zip(samples, adv.tolist()):
         s["adv"] = a
     return int((adv.view(-1, cfg.group_size) != 0).any(1).sum())
@@ -394,23 +418,23 @@ def set_advantages(samples, cfg):
 # Update: π_θold, then μ gradient steps with the exact token-level normaliser
 
 def update_policy(run, samples, step):
-    """Algorithm 1, lines 10-11: μ = num_mini_batches AdamW steps on the batch (each sample carries
-    "adv" and "trained"), at the warm-up's learning rate. A mini-batch with a non-finite loss or
-    gradient norm on any rank, or no trained token, steps no optimizer."""
+    """Algorithm 1, lines 10-11: μ = num_mini_batches AdamW steps on the batch, at the warm-up's lr;
+    none for a mini-batch with no trained token, or a non-finite loss or gradient norm on any rank.
+    Returns the step's metrics (update_metrics, Part 3: means over the trained tokens)."""
     cfg, lr = run.cfg, warmup_lr(step, run.cfg)
     for g in run.opt.param_groups:
         g["lr"] = lr
-    minis, my_micros = micro_batches(samples, cfg)  # Part 3: this rank's micro-batches of each
+    minis, my_micros = micro_batches(samples, cfg)  # Part 3: μ slices; this rank's micro-batches
     totals, grad_norms, skipped, sync = None, [], 0, {}
-    with tf32_head(run.device, cfg):  # Part 3: on CUDA in bf16, the fp32 head as a TF32 GEMM
-        old_logprobs(run, my_micros)  # Part 3: π_θold before any update (and what Part 2 reads)
+    with tf32_head(run.device, cfg):  # Part 3: CUDA in bf16: the fp32 head as TF32; else nothing
+        old_logprobs(run, my_micros)  # Part 3, no grad: s["old_logp"], π_θold (the record)
         for m, (mini, micros) in enumerate(zip(minis, my_micros)):
-            select_tokens(mini, micros, cfg, (cfg.seed, step, m))  # Part 2: none by default
+            select_tokens(mini, micros, cfg, (cfg.seed, step, m))  # Part 2: off at DAPO's defaults
             run.opt.zero_grad(set_to_none=True)
             sums, tokens = policy_gradient(run, mini, micros)
-            if totals is None:  # every π_θold is known now: a broken sync stops before any step
+            if totals is None:  # all π_θold known: check_sync's gap to vLLM's; a broken sync stops
                 totals, sync = dict.fromkeys(sums, 0.0), check_sync(run, my_micros)  # Part 3
-            grad_norm = clip_gradients(run, sums["loss"])  # Part 3: None if any rank saw NaN/inf
+            grad_norm = clip_gradients(run, sums["loss"])  # Part 3: clips; norm or None (NaN/inf)
             if grad_norm is None or tokens == 0:  # AdamW would drift on an all-masked batch too
                 skipped += grad_norm is None
                 continue
@@ -429,18 +453,19 @@ def policy_gradient(run, mini, micros):
     denom = loss_normaliser(mini, cfg)
     sums = {}
     for mb in micros:
+        # packed rows, "mask" (B, R): the response tokens; π_θ's log π and entropy of each, (B, R)
         batch = collate(mb, run.pad_id, device, packs_one_row(cfg), cfg.shared_prefix)  # Part 3
         logp, ent = run.model.forward_logprobs(batch, cfg.temperature, cfg.logprob_chunk)  # Part 3
-        old = old_logp_of(mb, logp)  # Part 3: π_θold; the first mini-batch's is this pass
+        old = old_logp_of(mb, logp)  # Part 3: (B, R) π_θold; the first mini-batch's: logp detached
         trained = torch.tensor([float(s["trained"]) for s in mb], device=device)
         mask = batch["mask"] * trained[:, None]  # Sec. 3.4: a filtered sample's tokens are masked
         adv = torch.tensor([s["adv"] for s in mb], device=device)
-        more = loss_terms(mb, logp, old, adv, mask, cfg)  # Part 2: None by default
+        more = loss_terms(mb, logp, old, adv, mask, cfg)  # Part 2: None at DAPO's defaults
         loss, stats = policy_loss(logp, old, adv, mask, cfg, denom, more)
-        (loss * world()).backward()  # FSDP2 averages the gradients over ranks; Eq. 12 sums them
+        (loss * world()).backward()  # FSDP2 averages over ranks, Eq. 12 sums; one process: x 1
         n = mask.sum().item()
         stats["entropy"] = (ent * mask).sum() / max(n, 1.0)  # π_θ's, exact, on the trained tokens
-        add_stats(sums, stats, n, trained.sum().item(), loss.item())  # Part 3: sums by name
+        add_stats(sums, stats, n, trained.sum().item(), loss.item())  # Part 3: token-weighted sums
     return sums, sum(s["len"] for s in mini if s["trained"])
 
 
@@ -939,8 +964,8 @@ CHOICES = dict(task=("add", "carry"), loss=OBJECTIVES, adv_estimator=ADV_ESTIMAT
                attn_impl=("", "flex_attention", "flash_attention_2", "sdpa"), save_dtype=("", "bfloat16", "float32"),
                precision=("", "bf16", "fp32"), dppo_anchor=("rollout", "recompute"))
 # The laptop preset: tools/real_model.py's SmolLM2-135M-Instruct (its config says so) on 2 CPU cores, for
-# short answers (examples/fewshot_addition.py's sums learn with it in ~10 minutes); bf16 where the CPU has
-# bf16 instructions (twice as fast as fp32 there, and it learns as well: docs/real-model.md). The KV cache
+# short answers (examples/fewshot_addition.py's sums learn with it: the whole command ~4.3 minutes); bf16 where
+# the CPU has bf16 instructions (twice as fast as fp32 there, and it learns as well: docs/real-model.md). The KV cache
 # holds 273 blocks of 128 tokens (2.9 MB each in bf16, 5.9 MB in fp32: presets sets it by the precision) for
 # the largest generate call's 257: the held-out 64 prompts x 4, each of 92 + at most 32 tokens in one block,
 # and vLLM's null block. With fewer, sequences would wait for blocks, and the schedule (so each one's sampling
@@ -1570,7 +1595,9 @@ def by_level(rows, avg, k):
     return out
 
 
-LOW_PROB = 0.2  # Sec. 3.1: the tokens the upper clip binds on had π_θold < ~0.2 (the paper's Figure 3)
+# Sec. 3.1 (Figure 3a): the mean probability of the up-clipped tokens is low, π_θ(o_i | q) < 0.2; here, the
+# π_θold below which a token counts as a low-probability one (prob/low_up_*)
+LOW_PROB = 0.2
 
 
 def token_statistics(t, low, high):

@@ -73,13 +73,13 @@ def test_eq9_ratio_is_pi_theta_over_pi_theta_old_per_token(monkeypatch):
     hands it to the objective: 0.5 / 0.4 = 1.25, 0.2 / 0.4 = 0.5; a padding token's is 1 (log-ratio 0) whatever
     its log-probs; a log-ratio beyond ±20 is clamped there (as verl's): e^100 is e^20, finite, and has no
     gradient. The loss is Eq. 10's on these r over the 5 tokens, and an unclipped token's gradient -Â r / 5."""
-    seen, token_loss = {}, dapo.OBJECTIVES["dapo"]["token_loss"]
+    seen, token_loss = {}, dapo.dapo_token_loss
 
     def spy(t, cfg):
         seen["t"] = t
         return token_loss(t, cfg)
 
-    monkeypatch.setitem(dapo.OBJECTIVES["dapo"], "token_loss", spy)
+    monkeypatch.setattr(dapo, "dapo_token_loss", spy)  # policy_loss calls it by name
     logp = torch.tensor([[math.log(0.5), math.log(0.2), 5.0], [0.0, -50.0, -1.0]], dtype=torch.float64,
                         requires_grad=True)
     old = torch.tensor([[math.log(0.4), math.log(0.4), -5.0], [-100.0, -20.0, -1.0]], dtype=torch.float64)

@@ -399,12 +399,22 @@ def _ignored(cfg, losses):
     return out
 
 
+def _captured(cfg, losses, helps):
+    """A loss's own settings are the Config fields named `<loss>_...` whose comment starts `--loss <loss>`:
+    a loss whose name starts another field (a loss `kl` and --kl-coef, `tis` and --tis-cap) would take it
+    from every other loss. One line for each such field."""
+    return [f"the loss {k!r} (OBJECTIVES) starts the name of --{f.name.replace('_', '-')}, which is not its own "
+            f"setting (its comment does not start '--loss {k}'): rename the loss"
+            for k in losses for f in dataclasses.fields(cfg)
+            if f.name.startswith(k + "_") and not re.match(rf"--loss {re.escape(k)}\b", helps.get(f.name, ""))]
+
+
 def check_config(cfg, losses, choices):
     """dapo.py's Config: refuse, in one line naming each flag, its value and the range it must lie in,
     settings that cannot run or would silently train wrongly: every numeric field finite and in the range
     its comment gives (field_range), every choice flag one of its table's names (choices: {field: names},
-    dapo.py's CHOICES), no setting the chosen --loss ignores (losses: dapo.py's OBJECTIVES), and the rules
-    below."""
+    dapo.py's CHOICES), no setting the chosen --loss ignores (losses: dapo.py's OBJECTIVES), no loss whose name
+    starts a field not its own (_captured), and the rules below."""
     helps = field_helps(type(cfg))
     problems = [_out_of_range("--" + f.name.replace("_", "-"), getattr(cfg, f.name), helps.get(f.name, ""))
                 for f in dataclasses.fields(cfg) if type(getattr(cfg, f.name)) in (int, float)]
@@ -441,7 +451,9 @@ def check_config(cfg, losses, choices):
              "--overlong-cache-len must lie between 0 and --max-response-len"),
         ]
     problems = [p for p in problems if p] + [message for broken, message in rules if broken]
-    if cfg.loss in losses:
+    captured = _captured(cfg, losses, helps)  # before _ignored, which would misread such a field
+    problems += captured
+    if cfg.loss in losses and not captured:
         problems += _ignored(cfg, losses)
     if problems:
         raise InputError("; ".join(problems))

@@ -153,6 +153,20 @@ def test_a_choice_flag_is_checked_from_its_table(monkeypatch):
     assert all(isinstance(getattr(cfg, k), str) for k in dapo.CHOICES)
 
 
+def test_a_loss_whose_name_starts_a_field_not_its_own_is_refused(monkeypatch):
+    """A loss's own settings are the Config fields named `<loss>_...` whose comment starts `--loss <loss>`
+    (SAPO's --sapo-tau-pos): a fork's loss named `kl` would take --kl-coef from every other loss, so it is
+    refused in one line naming the field; a name that starts none (`reinforce`) passes."""
+    monkeypatch.setitem(dapo.OBJECTIVES, "kl", dict(token_loss=dapo.dapo_token_loss))
+    with pytest.raises(dapo.DapoError, match=re.escape("the loss 'kl' (OBJECTIVES) starts the name of --kl-coef, "
+                                                       "which is not its own setting")) as e:
+        dapo.check_config(dapo.Config(model="m"))
+    assert "\n" not in str(e.value) and "--kl-cov-ratio" in str(e.value)   # KL-Cov's, not kl's: refused too
+    monkeypatch.delitem(dapo.OBJECTIVES, "kl")
+    monkeypatch.setitem(dapo.OBJECTIVES, "reinforce", dict(token_loss=dapo.dapo_token_loss))
+    dapo.check_config(dapo.Config(model="m", loss="reinforce"))
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--tp-size", "3"], "--tp-size 3 does not divide the 1 ranks"),
     (["--group-size", "1"], "--group-size must be at least 2 (Eq. 9 needs a group) (got 1)"),

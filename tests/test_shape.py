@@ -41,9 +41,10 @@ def test_dapo_py_reads_as_the_algorithm_first():
     One `# Part 2` banner, then one `# Part 3`. Part 1 holds every equation's implementation (Eq. 7-13: Eq. 8 at
     policy_loss, Eq. 9's ratio where it is computed), and the functions of one step (the maths, train(), the
     rollout, the update, evaluation), in lines of at most 100 characters. No later objective, estimator or
-    correction lives in Part 1: none is named in its code, policy_loss holds no branch per objective, and
-    Part 1 reaches Part 2 only through its two tables (DAPO's own entries first) and its four hooks. (That
-    train() makes Algorithm 1's calls in order: test_dapo.py.)"""
+    correction lives in Part 1: none is named in its code, policy_loss and set_advantages branch only for
+    DAPO's own default (dapo_token_loss, group_advantages, called by name) and leave every other --loss and
+    --adv-estimator to the tables, and Part 1 reaches Part 2 only through its two tables (DAPO's own entries
+    first) and its four hooks. (That train() makes Algorithm 1's calls in order: test_dapo.py.)"""
     import ast
     src = open(os.path.join(HERE, "dapo.py")).read()
     lines = src.splitlines()
@@ -65,6 +66,10 @@ def test_dapo_py_reads_as_the_algorithm_first():
         assert f"Eq. {n}" in "\n".join(lines[:part1]), f"Eq. {n} is cited nowhere in Part 1: cite it where it is implemented"
     policy = ast.get_source_segment(src, defs["policy_loss"])
     assert "Eq. 8" in policy and "r_{i,t}" in policy, "policy_loss is Eq. 8, J_DAPO; it computes Eq. 9's r_{i,t}: say so"
+    for fn, own, table in (("policy_loss", "dapo_token_loss", "OBJECTIVES"),
+                           ("set_advantages", "group_advantages", "ADV_ESTIMATORS")):
+        named = {x.id for x in ast.walk(defs[fn]) if isinstance(x, ast.Name)}
+        assert {own, table} <= named, f"{fn} runs DAPO's {own} by name, and a later one from {table}"
     for name, first in (("OBJECTIVES", "dapo"), ("ADV_ESTIMATORS", "grpo")):
         node = tables[name]
         assert part1 < node.lineno <= part2, f"{name} is after DAPO: it belongs in Part 2"
