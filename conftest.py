@@ -1,5 +1,6 @@
-"""pytest's set-up for test_dapo.py and tests/: Python's bytecode cache, and the `gpu` marker. `pytest -m gpu` runs
-the tests that need CUDA and, without it, lists each one it skips with the reason."""
+"""pytest's set-up for test_dapo.py and tests/: Python's bytecode cache, no network, a thread per test worker, and the
+`gpu` marker. `pytest -m gpu` runs the tests that need CUDA and, without it, lists each one it skips with the
+reason."""
 import os
 import sys
 
@@ -8,6 +9,14 @@ import sys
 # writes its bytecode (~4k modules), also where PYTHONDONTWRITEBYTECODE is set, and later starts reuse it.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
+# Nothing is downloaded: a test that names a hub model must fail at once, not retry the network. Set before anything
+# imports huggingface_hub, which reads it once (a test's own setenv would come too late).
+os.environ["HF_HUB_OFFLINE"] = "1"
+# The README's test command runs two pytest-xdist workers on 2 cores: with torch's default of a thread per core in
+# each worker and in every process its tests start, OpenMP's spinning threads would share the cores four ways and
+# slow every test several-fold. One thread each (read by torch at import) keeps both cores busy, one test a core.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 
 def pytest_configure(config):

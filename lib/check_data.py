@@ -17,6 +17,7 @@ exits 2.
 """
 
 import dataclasses
+import functools
 import importlib.util
 import json
 import math
@@ -343,6 +344,7 @@ def check_checkpoint(ckpt, eval_only=False):
 # -----------------------------------------------------------------------------------------
 # dapo.py's config: each field's range stands in braces in its comment, beside the field
 
+@functools.lru_cache(maxsize=None)  # inspect parses the whole module's source for each class: ~0.25 s a call
 def field_helps(cls):
     """Each field of a Config dataclass: its comment (its --help), with the lines below it that start with
     `#  ` (two spaces)."""
