@@ -180,6 +180,9 @@ class DapoConfig:
 #   step, bar, clock       steps_left (Part 3), each step: its number from 1, the tqdm bar, the
 #                          phases' start times (to_trainers and push_weights stamp theirs)
 #   meta_bytes             the bytes share_groups received this step (to_trainers reports them)
+#   gpu                    on CUDA, each phase's GPU memory this step (gpu_phase, Part 3)
+#   share                  --shared-prefix resolved (sharing, Part 3): True, each group's prompt
+#                          forwarded once; False, a copy per response; under sdpa, a cost rule
 
 
 # -----------------------------------------------------------------------------------------
@@ -424,7 +427,7 @@ def update_policy(run, samples, step):
     cfg, lr = run.cfg, warmup_lr(step, run.cfg)
     for g in run.opt.param_groups:
         g["lr"] = lr
-    minis, my_micros = micro_batches(samples, cfg)  # Part 3: μ slices; this rank's micro-batches
+    minis, my_micros = micro_batches(samples, cfg, run.share)  # Part 3: μ slices, this rank's cuts
     totals, grad_norms, skipped, sync = None, [], 0, {}
     with tf32_head(run.device, cfg):  # Part 3: CUDA in bf16: the fp32 head as TF32; else nothing
         old_logprobs(run, my_micros)  # Part 3, no grad: s["old_logp"], π_θold (the record)
@@ -454,7 +457,7 @@ def policy_gradient(run, mini, micros):
     sums = {}
     for mb in micros:
         # packed rows, "mask" (B, R): the response tokens; π_θ's log π and entropy of each, (B, R)
-        batch = collate(mb, run.pad_id, device, packs_one_row(cfg), cfg.shared_prefix)  # Part 3
+        batch = collate(mb, run.pad_id, device, packs_one_row(cfg), run.share)  # Part 3
         logp, ent = run.model.forward_logprobs(batch, cfg.temperature, cfg.logprob_chunk)  # Part 3
         old = old_logp_of(mb, logp)  # Part 3: (B, R) π_θold; the first mini-batch's: logp detached
         trained = torch.tensor([float(s["trained"]) for s in mb], device=device)
@@ -617,7 +620,9 @@ def clip_cov_token_loss(t, cfg):
     the tokens covariance_picks drew over the mini-batch (t.picked): a few of those whose covariance of A and
     log π lies in (lb, ub), the tokens that drive the entropy down."""
     loss, low, high = dapo_token_loss(t, cfg)
-    return loss * (1 - t.picked), low, high, {"cov/cut_frac": (t.picked * t.mask).sum() / t.mask.sum().clamp(min=1)}
+    n = t.mask.sum().clamp(min=1)  # cut_clipped: picks the clip binds on, no gradient to cut (OVER: a share of the cut)
+    return loss * (1 - t.picked), low, high, {"cov/cut_frac": (t.picked * t.mask).sum() / n,
+                                              "cov/cut_clipped_frac": (t.picked * (low | high) * t.mask).sum() / n}
 
 
 def kl_cov_token_loss(t, cfg):
@@ -924,9 +929,10 @@ class SystemConfig:
     attn_impl: str = ""              # trainer attention: flex_attention, flash_attention_2 or sdpa;
     #  "" = flex on CUDA (sequences packed in one row, block-sparse masks), sdpa on CPU (rows, dense
     #  masks)
-    shared_prefix: bool = True       # forward a group's prompt once in the update, its responses
+    shared_prefix: bool | None = None  # forward a group's prompt once in the update, its responses
     #  attending to it (sdpa's mask, flex's block mask); off = a copy per response (always under
-    #  flash attention or a sliding window, which take no such mask)
+    #  flash attention or a sliding window, which take no such mask); None (neither flag) = where it
+    #  pays: always under flex, under sdpa's dense mask by a cost rule (sharing)
     tp_size: int = 1                 # vLLM tensor-parallel size (TP groups = contiguous ranks)
     #  {>= 1}
     gpu_memory_utilization: float = 0.6  # vLLM's share of GPU memory (weights + KV cache) {(0, 1]}
@@ -936,8 +942,9 @@ class SystemConfig:
     #  {> 0}
     deterministic: bool = False      # vLLM's batch-invariant kernels (CUDA) and torch's
     #  deterministic algorithms (CPU runs are deterministic already)
-    memory_check: bool = True        # CUDA: refuse, before vLLM starts, a config whose memory plan
-    #  (tools/plan.py) does not fit the GPU; off = run anyway
+    memory_check: bool = True        # refuse, before vLLM starts, a config whose memory plan (tools/plan.py)
+    #  does not fit the GPU (CUDA) or this machine's memory (CPUs: the laptop preset's micro-batches by
+    #  tokens where its 16 sequences would not fit); off = run anyway
 
 
 @dataclass
@@ -1027,7 +1034,7 @@ def parse_config(argv=None, cls=Config, cuda=None):
             f" Ignored by --loss {', '.join(ignored)}." if ignored else "") + (
             f" One of: {', '.join(n or repr(n) for n in CHOICES[f.name])}." if f.name in CHOICES else "")
         help = help.replace("%", "%%")
-        if isinstance(f.default, bool):
+        if isinstance(f.default, bool) or f.type == bool | None:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help)
         else:
             p.add_argument(flag, type=type(f.default), default=None, help=help)
@@ -1038,6 +1045,48 @@ def parse_config(argv=None, cls=Config, cuda=None):
             if k not in given:
                 setattr(cfg, k, v)
     return cfg
+
+
+def cpu_layout(cfg, share):
+    """The largest micro-batch of a CPU run, every sequence at its maximum length (lib/plan.py's worst case), as
+    micro_batches cuts it: (its real tokens, its longest row, the lengths of its shared sequences)."""
+    P, R, G = cfg.max_prompt_len, cfg.max_response_len, cfg.group_size
+    n = max(cfg.micro_batch_size, cfg.micro_batch_tokens // R + 1)  # enough samples to fill one micro-batch
+    stubs = [{"prompt_ids": [g] * P, "len": R} for g in range(-(-n // G) + 1) for _ in range(G)]
+    mb = (max(pack_by_tokens(stubs, cfg.micro_batch_tokens, share), key=len) if cfg.micro_batch_tokens
+          else stubs[:cfg.micro_batch_size])
+    lens = [P + R * len(run) for run in prompt_runs(mb, share)]
+    return sum(lens), max(lens), [n for n, run in zip(lens, prompt_runs(mb, share)) if len(run) > 1]
+
+
+def fit_host_memory(cfg, config, ranks):
+    """On CPUs, plan this machine's memory (lib/plan.py's cpu_plan, `ranks` processes) before vLLM starts. Where the
+    laptop preset's micro-batches of 16 sequences would not fit, micro-batches by tokens take their place (the most
+    that fit, then with gradient checkpointing), with a note; any other config that does not fit is refused in one
+    line naming flags that fit (--no-memory-check runs it anyway)."""
+    shape, share = plan.model_shape(cfg.model), sharing(cfg, config)
+    limit = plan.CPU_HEADROOM * plan.machine_gb() * 1e9
+    need = lambda c: plan.cpu_plan(c, shape, cpu_layout(c, share), ranks)[1]  # noqa: E731
+    if need(cfg) <= limit:
+        return
+    seq = cfg.max_prompt_len + cfg.max_response_len
+    top = plan.micro_batch_tokens(cfg) // seq
+    options = [dict(micro_batch_tokens=k * seq) for k in range(top, 0, -1)]
+    options += [dict(o, grad_checkpointing=True) for o in options if not cfg.grad_checkpointing]
+    fit = next((o for o in options if need(dataclasses.replace(cfg, **o)) <= limit), None)
+    preset = (cfg.micro_batch_size, cfg.micro_batch_tokens, cfg.grad_checkpointing) == (LAPTOP["micro_batch_size"], 0,
+                                                                                         False)
+    said = (f"{need(cfg) / 1e9:.1f} GB by the plan, over {limit / 1e9:.1f} GB ({plan.CPU_HEADROOM:.0%} of this "
+            f"machine's {plan.machine_gb():.1f} GB; python tools/plan.py --plan-cpu with the same flags)")
+    if fit and preset:
+        print0(f"note: micro-batches of {cfg.micro_batch_size} sequences of up to {seq} tokens would need {said}: "
+               f"{plan.as_flags(fit)} instead")
+        for k, v in fit.items():
+            setattr(cfg, k, v)
+        return
+    raise DapoError(f"this run's memory would be {said}: " + (f"`{plan.as_flags(fit)}` fits" if fit else
+                    "no micro-batch fits: lower --max-response-len, --max-prompt-len or --cpu-kv-cache-gb")
+                    + "; --no-memory-check runs it anyway")
 
 
 def too_few_groups(kept, generated, batches, cfg):
@@ -1105,17 +1154,17 @@ def share_groups(run, local, idx, prompt_ids, n, times):
     return groups, times
 
 
-def trainer_ranks(samples, cfg):
+def trainer_ranks(samples, cfg, share):
     """The rank that trains each kept sample, as micro_batches splits them: mini-batch m is a contiguous
     slice, cut into world() consecutive shares of equal load in the unit micro-batches are cut in, so that
     a group stays on one rank unless a cut falls inside it; None beyond the last full mini-batch. Every
-    rank decides alike, from lengths alone (a stub has them)."""
+    rank decides alike, from lengths alone (a stub has them). share: run.share (sharing)."""
     size, owner = len(samples) // cfg.num_mini_batches, [None] * len(samples)
     for m in range(cfg.num_mini_batches):
         mini = samples[m * size:(m + 1) * size]
         if cfg.micro_batch_tokens:  # real tokens, a shared prompt once
             cost = [s["len"] for s in mini]
-            for run in prompt_runs(mini, cfg.shared_prefix):
+            for run in prompt_runs(mini, share):
                 cost[run[0]] += len(mini[run[0]]["prompt_ids"])
         else:  # sequences: every rank runs as many micro-batches
             cost = [1] * len(mini)
@@ -1126,10 +1175,10 @@ def trainer_ranks(samples, cfg):
     return owner
 
 
-def distribute(samples, cfg):
+def distribute(samples, cfg, share):
     """Move each kept sample's tokens from the rank that generated it to the rank that trains it;
     the others keep a stub (metadata, reward, advantage). Returns the bytes this rank received."""
-    owner = trainer_ranks(samples, cfg)
+    owner = trainer_ranks(samples, cfg, share)
     outgoing = [[] for _ in range(world())]
     for i, (s, t) in enumerate(zip(samples, owner)):
         s["trainer"] = t
@@ -1151,9 +1200,10 @@ def to_trainers(run, samples, metrics):
     """The rollout's end: each kept sample's tokens to the rank that trains it (distribute); the bytes
     (metadata + tokens) received by the rank that received most, into metrics; on CUDA, vLLM frees its
     weights and KV cache while the trainer works (push_weights wakes it); the update's clock starts."""
-    got = torch.tensor(run.meta_bytes + distribute(samples, run.cfg), dtype=torch.float64)
+    got = torch.tensor(run.meta_bytes + distribute(samples, run.cfg, run.share), dtype=torch.float64)
     torch.distributed.all_reduce(got, op=torch.distributed.ReduceOp.MAX)
     metrics["comm/bytes_received"] = got.item()
+    gpu_phase(run, "generation")  # generation, the reward, the exchange: vLLM awake
     if run.sleep:
         run.llm.sleep(level=2)
     run.clock["update"] = time.perf_counter()
@@ -1306,13 +1356,30 @@ def push_weights(run):
     """Algorithm 1's weight sync (line 3, π_θold <- π_θ), after every update. After a sleep, the weights wake
     first and are reloaded before the KV cache returns. Returns {"sync/bytes": the bytes pushed into vLLM}."""
     run.clock["sync"] = time.perf_counter()
+    gpu_phase(run, "update")
     if run.sleep:
         run.llm.wake_up(tags=["weights"])
     pushed = sync_weights(run.model, run.llm)
     if run.sleep:
         run.llm.wake_up()
+    gpu_phase(run, "sync")
     run.clock["end"] = time.perf_counter()
     return {"sync/bytes": pushed}
+
+
+def gpu_phase(run, phase):
+    """On CUDA, the memory of the phase that just ended into run.gpu (metrics.jsonl): torch's peak allocated and
+    reserved since it began and what the device has free now (mem_get_info: every process on it), GB; then the
+    peaks start again. None starts a step. The phases, as lib/plan.py's: generation (vLLM awake), old_logp
+    (π_θold's pass, vLLM asleep), update (μ gradient steps and AdamW's), sync (vLLM woken, the weight push)."""
+    if run.device.type != "cuda":
+        return
+    torch.cuda.synchronize()
+    if phase:
+        run.gpu.update({f"mem/{phase}_allocated_gb": torch.cuda.max_memory_allocated() / 1e9,
+                        f"mem/{phase}_reserved_gb": torch.cuda.max_memory_reserved() / 1e9,
+                        f"mem/{phase}_free_gb": torch.cuda.mem_get_info()[0] / 1e9})
+    torch.cuda.reset_peak_memory_stats()
 
 
 def sync_diff_stats(samples):
@@ -1356,13 +1423,59 @@ def first_fit_decreasing(lengths, cap):
     return bins
 
 
+# --shared-prefix's rule under sdpa (the CPU default), whose dense mask makes attention cost every (q, kv) pair of
+# a row: a response joins its group's shared sequence while that costs less than a copy of the prompt (share_pays),
+# and no shared sequence passes SDPA_SHARED_MAX positions, whose (L, L) mask sdpa saves in the compute dtype in
+# every layer (16 MiB a layer in fp32 at 2,048). Flex attention's block mask skips what a response cannot see, so
+# there a group's prompt always goes once.
+SDPA_SHARED_MAX = 2048
+
+
+def sharing(cfg, config):
+    """--shared-prefix resolved for this run's attention and model (config: its transformers config), as
+    prompt_runs takes it: True (each group's prompt once: flex attention, or --shared-prefix given), False (a copy
+    per response: --no-shared-prefix, or shared_prefix_off), or under sdpa by default the rule's beta
+    (share_pays): the FLOPs of one position in the decoder's matmuls over those of one attention pair."""
+    if cfg.shared_prefix is False or shared_prefix_off(cfg, config):
+        return False
+    if cfg.shared_prefix or attention(cfg) != "sdpa":
+        return cfg.shared_prefix or attention(cfg) == "flex_attention"
+    h, nh, kv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    hd = getattr(config, "head_dim", None) or h // nh
+    matmuls = 2 * (2 * h * nh * hd + 2 * h * kv * hd + 3 * h * config.intermediate_size)  # q, o, k, v, the MLP
+    return matmuls / (4 * nh * hd)  # QKᵀ and PV: 4 x heads x head_dim FLOPs a (q, kv) pair
+
+
+def share_pays(prompt_len, length, joined, beta):
+    """sdpa's rule: whether a response of `length` tokens costs less joined to a shared sequence that holds
+    `joined` response tokens after its prompt P than as a copy of its own. Joining adds 2 (P + joined) length +
+    length² attention pairs and beta x length; a copy costs (P + length)² + beta x (P + length). So: join while
+    length x joined < P (P + beta) / 2: long prompts and short responses share, short prompts and long responses
+    do not (a part of a run shares at least as much as the whole: the test only tightens as `joined` grows)."""
+    return length * joined < prompt_len * (prompt_len + beta) / 2
+
+
+def response_len(s):
+    """A sample's response tokens (a stub on another rank has only its length)."""
+    return len(s["response_ids"]) if "response_ids" in s else s["len"]
+
+
 def prompt_runs(samples, shared=True):
-    """Index lists of the consecutive samples that share one prompt (a group, or its part at hand):
-    --shared-prefix forwards each run's prompt once. One sample each when not shared."""
+    """Index lists of the samples forwarded as one sequence, [prompt | response_1 | ... ]: consecutive samples
+    with one prompt (a group, or its part at hand) when shared is True, one sample each when False; under sdpa's
+    rule (shared: beta, from sharing) a run is cut where the next response would cost more joined than as a copy
+    (share_pays) or would take the sequence past SDPA_SHARED_MAX positions."""
     runs = []
     for i, s in enumerate(samples):
-        if shared and runs and samples[runs[-1][0]]["prompt_ids"] == s["prompt_ids"]:
-            runs[-1].append(i)
+        run = runs[-1] if runs else None
+        prompt = samples[run[0]]["prompt_ids"] if run else None
+        joins = shared is not False and prompt == s["prompt_ids"]
+        if joins and shared is not True:
+            joined = sum(response_len(samples[k]) for k in run)
+            joins = (share_pays(len(prompt), response_len(s), joined, shared)
+                     and len(prompt) + joined + response_len(s) <= SDPA_SHARED_MAX)
+        if joins:
+            run.append(i)
         else:
             runs.append([i])
     return runs
@@ -1430,22 +1543,23 @@ def pack_by_tokens(samples, budget, shared=False):
     return [[samples[i] for k in b for i in parts[k]] for b in first_fit_decreasing(cost, budget)]
 
 
-def micro_batches(samples, cfg):
+def micro_batches(samples, cfg, share):
     """The μ mini-batches (all ranks' samples; others' are stubs) and this rank's share of each
-    (trainer_ranks) as micro-batches of --micro-batch-size sequences or --micro-batch-tokens real tokens.
-    Every rank runs the same number of forward passes (FSDP's collectives pair up): one with fewer runs
-    extra ones on a zero-weight pad sample of 1 + 1 tokens."""
-    owner = trainer_ranks(samples, cfg)
+    (trainer_ranks) as micro-batches of --micro-batch-size sequences or --micro-batch-tokens real tokens (a
+    prompt counted once per run of prompt_runs under share, run.share). Every rank runs the same number of
+    forward passes (FSDP's collectives pair up): one with fewer runs extra ones on a zero-weight pad sample of
+    1 + 1 tokens."""
+    owner = trainer_ranks(samples, cfg, share)
     size = len(samples) // cfg.num_mini_batches
     minis, my_micros = [], []
     for m in range(cfg.num_mini_batches):
         mini = samples[m * size:(m + 1) * size]
         shares = [[s for s, t in zip(mini, owner[m * size:]) if t == r] for r in range(world())]
         if cfg.micro_batch_tokens:
-            cuts = [pack_by_tokens(share, cfg.micro_batch_tokens, cfg.shared_prefix) for share in shares]
+            cuts = [pack_by_tokens(part, cfg.micro_batch_tokens, share) for part in shares]
         else:
             step = cfg.micro_batch_size
-            cuts = [[share[j:j + step] for j in range(0, len(share), step)] for share in shares]
+            cuts = [[part[j:j + step] for j in range(0, len(part), step)] for part in shares]
         zero = torch.zeros(1)
         pad = {"prompt_ids": [0], "response_ids": [0], "vllm_logp": [0.0], "old_logp": zero, "ref_logp": zero,
                "old_entropy": zero, "len": 1, "truncated": False, "trained": False, "adv": 0.0, "dummy": True}
@@ -1541,7 +1655,7 @@ def old_logprobs(run, my_micros):
     with torch.no_grad():
         for m, micros in enumerate(my_micros):
             for mb in micros if m >= policy_from or cfg.kl_coef else []:
-                batch = collate(mb, run.pad_id, run.device, packs_one_row(cfg), cfg.shared_prefix)
+                batch = collate(mb, run.pad_id, run.device, packs_one_row(cfg), run.share)
                 if m >= policy_from:
                     lp, ent = run.model.forward_logprobs(batch, cfg.temperature, cfg.logprob_chunk)
                     for s, row, e in zip(mb, lp, ent):
@@ -1555,6 +1669,7 @@ def old_logprobs(run, my_micros):
                         s["ref_logp"] = row[:len(s["response_ids"])].cpu()
     if cfg.kl_coef:  # FSDP2 keeps a root module's weights gathered after a forward with no backward
         run.ref.reshard()
+    gpu_phase(run, "old_logp")
 
 
 def old_logp_of(mb, logp):
@@ -1615,7 +1730,8 @@ def token_statistics(t, low, high):
 
 
 # update_metrics' means over a subset of the tokens: (the statistic, the share of tokens it is taken over)
-OVER = {"prob/old_at_clip_high": "clip/high_frac", "prob/low_up_ratio": "prob/low_up_frac"}
+OVER = {"prob/old_at_clip_high": "clip/high_frac", "prob/low_up_ratio": "prob/low_up_frac",
+        "cov/cut_clipped_frac": "cov/cut_frac"}
 
 
 def update_metrics(run, totals, grad_norms, skipped, my_micros, sync):
@@ -1634,7 +1750,7 @@ def update_metrics(run, totals, grad_norms, skipped, my_micros, sync):
             stats[k] = value / stats[share]
     micro = [mb for micros in my_micros for mb in micros if not mb[0].get("dummy")]
     forwarded = sum(len(mb[r[0]]["prompt_ids"]) + sum(mb[i]["len"] for i in r)
-                    for mb in micro for r in prompt_runs(mb, run.cfg.shared_prefix))
+                    for mb in micro for r in prompt_runs(mb, run.share))
     counts = torch.tensor([sum(map(len, my_micros)) - len(micro), forwarded])  # padding, tokens
     torch.distributed.all_reduce(counts)
     return {"loss": total["loss"] / max(len(grad_norms), 1), **stats,
@@ -1981,7 +2097,8 @@ def load_checkpoint(ckpt, model, opt):
 
 
 def run_record(cfg, device):
-    """What makes a run reproducible: the resolved config, library versions and git commit."""
+    """What makes a run reproducible: the resolved config, library versions and git commit; on CUDA the GPUs,
+    CUDA's and NCCL's versions and nvidia-smi's topology matrix."""
     import importlib.metadata as md
     import subprocess
     versions, commit = {}, None
@@ -1991,9 +2108,18 @@ def run_record(cfg, device):
     with contextlib.suppress(Exception):
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
                                 capture_output=True, text=True, timeout=10).stdout.strip() or None
-    return {"config": dataclasses.asdict(cfg), "versions": versions, "git_commit": commit,
-            "world_size": world(), "device": str(device.type), "argv": sys.argv,
-            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    record = {"config": dataclasses.asdict(cfg), "versions": versions, "git_commit": commit,
+              "world_size": world(), "device": str(device.type), "argv": sys.argv,
+              "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if device.type == "cuda":  # what a GPU run's failure is read against: the GPUs, NCCL, how they connect
+        props = torch.cuda.get_device_properties(device)
+        record["gpu"] = {"name": props.name, "total_gb": props.total_memory / 1e9, "count": torch.cuda.device_count(),
+                         "cuda": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+                         "topology": None}
+        with contextlib.suppress(Exception):  # nvidia-smi's matrix: NVLink (NV#), PCIe (PIX, PXB, PHB), SYS
+            record["gpu"]["topology"] = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True,
+                                                       timeout=30).stdout
+    return record
 
 
 # -----------------------------------------------------------------------------------------
@@ -2096,7 +2222,9 @@ def preflight(cfg):
         problem = plan.refusal(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)), gpu / 1e9)
         if problem:
             raise DapoError(problem)
-    off = cfg.shared_prefix and shared_prefix_off(cfg, config)
+    elif cfg.model and cfg.memory_check and not cfg.eval_only:  # on CPUs, this machine's memory (all its ranks)
+        fit_host_memory(cfg, config, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))))
+    off = cfg.shared_prefix and shared_prefix_off(cfg, config)  # given, and impossible
     if off:  # the resolved config says so (run.json); a resume resolves it again
         print0(f"note: --shared-prefix is off: {off}; each response forwards its own copy of the prompt")
         cfg.shared_prefix = False
@@ -2193,6 +2321,7 @@ def set_up(cfg):
     random.seed(cfg.seed + rank())  # constructing LLM re-seeds the global RNGs; seed after it
     torch.manual_seed(cfg.seed)      # the same on every rank: identical initial replicas
     run.model = load_policy(cfg, path, device, weights=not ckpt)
+    run.share = sharing(cfg, run.model.config)  # --shared-prefix for this attention and model
     if cfg.kl_coef:  # the initial policy, never a checkpoint's export: the reference stays where it began
         # (with --lora-rank: the policy with its adapters off, lib/lora.py, no second model)
         run.ref = run.model if cfg.lora_rank else load_policy(cfg, original, device, reference=True)
@@ -2231,7 +2360,8 @@ def adamw_state_now(opt):
 def steps_left(run):
     """The rollout steps left (from the checkpoint's on resume), with a tqdm bar on rank 0 at a terminal (in a
     log file, as under torchrun or a scheduler, the bar's carriage returns would garble the step lines: plain
-    lines there); each step's clock (to_trainers and push_weights stamp its phases) and byte count start at 0."""
+    lines there); each step's clock (to_trainers and push_weights stamp its phases), byte count and GPU memory
+    (gpu_phase) start at 0."""
     from tqdm import tqdm
     start, terminal = run.state["step"], sys.stdout.isatty() and sys.stderr.isatty()
     run.bar = tqdm(range(start, run.cfg.steps), desc="DAPO", disable=rank() != 0 or not terminal,
@@ -2239,7 +2369,8 @@ def steps_left(run):
     interrupt.STATE["bar"] = run.bar  # for the Ctrl-C message (lib/interrupt.py)
     for step in run.bar:
         interrupt.STATE["step"] = run.step = step + 1
-        run.clock, run.meta_bytes = {"start": time.perf_counter()}, 0
+        run.clock, run.meta_bytes, run.gpu = {"start": time.perf_counter()}, 0, {}
+        gpu_phase(run, None)
         yield step
     run.bar.close()
 
@@ -2265,7 +2396,8 @@ def log_step(run, step, m, generated, samples, evals):
               "gen/distinct_frac": m.pop("gen/distinct") / len(every),
               "time/update": sync - update, "time/sync": end - sync, "time/step": end - start,
               "tokens/s": (sum(lens) + sum(len(s["prompt_ids"]) for s in every)) / (end - start),
-              "mem/peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, **evals})
+              "mem/peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, **run.gpu,
+              **evals})
     if step == 1:  # the evaluation before training, in the first row, under its own prefix
         m.update({"eval_before/" + k.split("/", 1)[1]: v for k, v in run.state["first_eval"].items()})
     if rank() == 0:

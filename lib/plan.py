@@ -124,37 +124,65 @@ def micro_batch_tokens(cfg):
     return max(cfg.micro_batch_tokens, seq) if cfg.micro_batch_tokens else cfg.micro_batch_size * seq
 
 
-def memory_plan(cfg, shape, nodes, gpus_per_node, gpu_gb, device="cuda", weight_file=None, host_ram_gb=1000.0,
-                export_bytes=2):
-    """Bytes per GPU, by phase, and host RAM per node (host_plan). Returns (rows of (name, bytes), verdict
-    dict). Each phase's peak adds what it holds: loading (load_hf_weights, vLLM awake), training (vLLM asleep)
-    and generating (no gradients), each with the CUDA context and NCCL's buffers. The GPU fits when every peak
-    stays under HEADROOM of gpu_gb and vLLM's KV cache holds one max-length sequence; "fits" needs the host
-    side (host_ram_gb) too. export_bytes: 2 or 4 per parameter (dapo.py's export_dtype)."""
+def trainer_bytes(cfg, shape, world, device="cuda", layout=None):
+    """What the trainer holds on one of `world` ranks, term by term (bytes), as memory_plan counts it and as
+    tools/trainer_check.py sets it beside what a GPU measures: the sharded states (fp32 parameters, AdamW's m
+    and v; with --kl-coef the reference), the gradients (only between a mini-batch's first backward and its
+    optimizer step), FSDP's gathered layers, one micro-batch's activations and logits, flex's copied KV heads,
+    the allocator's fragmentation, and AdamW's step temporary: torch's foreach AdamW (torch/optim/adam.py,
+    _multi_tensor_adam) takes the square root of v into new tensors, one fp32 shard's worth, after backward
+    has freed the activations: a peak of its own. With --cpu-offload the states live in CPU RAM. On a CPU (sdpa)
+    layout gives the largest micro-batch as dapo.py cuts it (cpu_layout): its tokens, its longest row, and the
+    positions of its shared sequences, whose dense (L, L) masks sdpa keeps in every layer."""
     h, L, nh, kv, i, V, tied, hd = shape
     per_layer = h * h * 2 + 2 * h * kv * hd + h + 2 * kv * hd + 3 * h * i + 2 * h
     P = V * h * (1 if tied else 2) + L * per_layer + h
-    W = nodes * gpus_per_node
-    b = 2 if device == "cuda" else 4            # bf16 compute on GPU
+    b = 2 if device == "cuda" or cfg.precision == "bf16" else 4  # the compute dtype: bf16 on GPU by default
     on_gpu = 0 if cfg.cpu_offload else 1
     A = lora_params(shape, cfg.lora_rank)       # --lora-rank: only the adapters have gradients and AdamW state
     T = A if cfg.lora_rank else P               # the trained parameters
-    states = {"sharded fp32 parameters" + (" (base + adapters)" if A else ""): 4 * (P + A) / W * on_gpu,
-              "sharded fp32 gradients": 4 * T / W * on_gpu, "sharded AdamW state (m, v)": 8 * T / W * on_gpu}
-    if cfg.kl_coef and not cfg.lora_rank:  # the frozen reference (with LoRA: the policy, adapters off), sharded
-        states[f"sharded reference ({'bf16' if b == 2 else 'fp32'}, --kl-coef)"] = b * P / W * on_gpu
-    grads = states["sharded fp32 gradients"]    # update_policy ends in zero_grad(set_to_none=True): none
-    resident = sum(states.values()) - grads     # exist while loading or generating
+    out = {"params": P, "adapters": A, "parameters": 4 * (P + A) / world * on_gpu, "gradients": 4 * T / world * on_gpu,
+           "adamw": 8 * T / world * on_gpu, "reference": b * P / world * on_gpu if cfg.kl_coef and not cfg.lora_rank else 0,
+           "adamw_temporary": 4 * T / world * on_gpu}
     unit = max(h * h * 2 + 2 * h * kv * hd + 3 * h * i, V * h * (1 if tied else 2))  # a layer, or the root
-    gathered = 2 * unit * b                     # FSDP all-gathers one unit (and prefetches the next)
+    out["gathered"] = 2 * unit * b              # FSDP all-gathers one unit (and prefetches the next)
     seq = cfg.max_prompt_len + cfg.max_response_len
-    tokens = micro_batch_tokens(cfg)
+    tokens, longest, shared = layout or (micro_batch_tokens(cfg), seq, ())
+    out["tokens"] = tokens
     cuda = device == "cuda"
-    acts = activation_bytes(shape, tokens, b, cfg.grad_checkpointing, cfg.logprob_chunk, seq, flash=cuda)
+    out["activations"] = acts = activation_bytes(shape, tokens, b, cfg.grad_checkpointing, cfg.logprob_chunk, longest,
+                                                 flash=cuda)
+    out["masks"] = sum(n * n for n in shared) * b * L  # sdpa's dense masks of shared sequences, saved per layer
+    acts = out["activations"] = acts + out["masks"]
     flex = cuda and (cfg.attn_impl or "flex_attention") == "flex_attention" and nh & (nh - 1) != 0
-    kv_copy = (activation_bytes(shape, tokens, b, cfg.grad_checkpointing, cfg.logprob_chunk, seq, flash=cuda,
-                                kv_copy=True) - acts) if flex else 0  # 0 where the head's chunks peak higher
-    fragmentation = FRAGMENTATION * (gathered + acts + kv_copy)
+    out["kv_copy"] = (activation_bytes(shape, tokens, b, cfg.grad_checkpointing, cfg.logprob_chunk, seq, flash=cuda,
+                                       kv_copy=True) - acts) if flex else 0  # 0 where the head's chunks peak higher
+    out["fragmentation"] = FRAGMENTATION * (out["gathered"] + acts + out["kv_copy"])
+    out["resident"] = out["parameters"] + out["adamw"] + out["reference"]  # held from loading to the end
+    out["training"] = out["resident"] + out["gradients"] + out["gathered"] + acts + out["kv_copy"]  # allocated
+    out["stepping"] = out["resident"] + out["gradients"] + out["adamw_temporary"]  # allocated during opt.step()
+    return out
+
+
+def memory_plan(cfg, shape, nodes, gpus_per_node, gpu_gb, device="cuda", weight_file=None, host_ram_gb=1000.0,
+                export_bytes=2):
+    """Bytes per GPU, by phase, and host RAM per node (host_plan). Returns (rows of (name, bytes), verdict
+    dict). Each phase's peak adds what it holds: loading (load_hf_weights, vLLM awake), training (vLLM asleep),
+    AdamW's step (its temporary, the activations gone) and generating (no gradients), each with the CUDA
+    context and NCCL's buffers. gpu_gb is the GPU's memory as torch reports it (total_memory / 1e9: ~85.0 for
+    an "80 GB" H100), of which vLLM takes --gpu-memory-utilization. The GPU fits when every peak stays under
+    HEADROOM of gpu_gb and vLLM's KV cache holds one max-length sequence; "fits" needs the host side
+    (host_ram_gb) too. export_bytes: 2 or 4 per parameter (dapo.py's export_dtype)."""
+    h, L, nh, kv, i, V, tied, hd = shape
+    W = nodes * gpus_per_node
+    t = trainer_bytes(cfg, shape, W, device)
+    P, A, tokens, kv_copy = t["params"], t["adapters"], t["tokens"], t["kv_copy"]
+    b = 2 if device == "cuda" else 4
+    states = {"sharded fp32 parameters" + (" (base + adapters)" if A else ""): t["parameters"],
+              "sharded fp32 gradients": t["gradients"], "sharded AdamW state (m, v)": t["adamw"]}
+    if t["reference"]:  # the frozen reference (with LoRA: the policy, adapters off), sharded
+        states[f"sharded reference ({'bf16' if b == 2 else 'fp32'}, --kl-coef)"] = t["reference"]
+    seq = cfg.max_prompt_len + cfg.max_response_len
     vllm_weights = 2 * P / cfg.tp_size
     vllm_total = cfg.gpu_memory_utilization * gpu_gb * GB
     kv_per_token = 2 * L * kv * hd * 2 / cfg.tp_size
@@ -166,29 +194,32 @@ def memory_plan(cfg, shape, nodes, gpus_per_node, gpu_gb, device="cuda", weight_
     nccl = (NCCL_GROUP_GB + tp * (NCCL_GROUP_GB + TP_BUFFERS_GB) + peers_here * PEER_SAME_NODE_GB
             + peers_away * PEER_OTHER_NODE_GB) * GB
     process = context + nccl
-    train_peak = resident + grads + gathered + acts + kv_copy + fragmentation + asleep + process
-    rollout_peak = resident + vllm_total + process
+    train_peak = t["training"] + t["fragmentation"] + asleep + process
+    step_peak = t["stepping"] + asleep + process
+    rollout_peak = t["resident"] + vllm_total + process  # update_policy ends in zero_grad(set_to_none=True)
     # load_hf_weights: vLLM is awake; each tensor arrives whole on every GPU (bf16), then its shard is kept
     biggest = max(V, i) * h                     # elements of the largest tensor: the embedding
-    load_peak = 4 * (P + A) / W * on_gpu + vllm_total + biggest * 2 + process
+    load_peak = t["parameters"] + vllm_total + biggest * 2 + process
     rows = [(k, v) for k, v in states.items()] + [
-        ("FSDP all-gathered layers (bf16)", gathered),
-        (f"activations + logits, {tokens} tokens/micro-batch", acts)]
+        ("FSDP all-gathered layers (bf16)", t["gathered"]),
+        (f"activations + logits, {tokens} tokens/micro-batch", t["activations"])]
     if kv_copy:
         rows.append((f"KV heads copied for flex attention ({nh} heads)", kv_copy))
     rows += [
-        ("fragmentation, 1/3 of gathered + " + ("acts + KV copy" if kv_copy else "activations"), fragmentation),
+        ("fragmentation, 1/3 of gathered + " + ("acts + KV copy" if kv_copy else "activations"), t["fragmentation"]),
+        ("AdamW's step temporary (an fp32 shard)", t["adamw_temporary"]),
         (f"vLLM weights (bf16, TP {cfg.tp_size})", vllm_weights), ("vLLM KV cache", kv_cache),
         ("vLLM asleep: CUDA-graph pool, buffers" if cfg.vllm_sleep else "vLLM awake while training (--no-vllm-sleep)",
          asleep),
         ("CUDA context and kernels", context),
         ("NCCL: trainer" + (f", rank 0 to {W - 1} ranks" if W > 1 else "") + (", vLLM TP" if tp else ""), nccl),
         ("peak while loading (the largest tensor whole)", load_peak), ("peak while training", train_peak),
-        ("peak while generating", rollout_peak),
+        ("peak while stepping AdamW", step_peak), ("peak while generating", rollout_peak),
         # every rank streams the full tensors (a tied lm_head as well: state_dict has it), its vLLM keeps its TP part
         ("weight sync per step, streamed by each rank (bf16" + (", adapters merged" if A else "") + ")",
          2 * (P + (V * h if tied else 0)))]
-    peaks = {"peak while loading": load_peak, "peak while training": train_peak, "peak while generating": rollout_peak}
+    peaks = {"peak while loading": load_peak, "peak while training": train_peak,
+             "peak while stepping AdamW": step_peak, "peak while generating": rollout_peak}
     limit = HEADROOM * gpu_gb * GB
     kv_fits = kv_cache >= kv_per_token * seq
     gpu_fits = max(peaks.values()) <= limit and kv_fits
@@ -199,11 +230,48 @@ def memory_plan(cfg, shape, nodes, gpus_per_node, gpu_gb, device="cuda", weight_
     return rows, {"params": P, "adapters": A, "fits": gpu_fits and host_fits, "gpu_fits": gpu_fits,
                   "host_fits": host_fits, "kv_seqs": kv_cache / (kv_per_token * seq), "kv_fits": kv_fits,
                   "kv_needed": kv_per_token * seq, "kv_cache": kv_cache, "world": W, "host": host,
-                  "host_peak": host_peak, "peaks": peaks, "limit": limit}
+                  "host_peak": host_peak, "peaks": peaks, "limit": limit, "trainer": t}
 
 
 # Assumed, not measured on a GPU: one rank's torch, CUDA context, vLLM and reward workers.
 HOST_GB_PER_RANK = 4
+
+# A run on a CPU (the laptop preset): one machine's memory for every rank it runs. Besides the tensors the plan
+# counts, each rank's process holds torch, transformers and vLLM with its engine, and each reward worker sympy and
+# the checker (CPU_PROCESS_GB, REWARD_WORKER_GB: RSS measured on dapo.py's processes, tools/memwatch.py); and what
+# glibc's allocator keeps of the update's freed memory (CPU_FRAGMENTATION of the micro-batch's activations). A run
+# plans to use at most CPU_HEADROOM of the machine's memory (MemTotal), leaving the rest to the system.
+CPU_PROCESS_GB = 1.5
+REWARD_WORKER_GB = 0.2
+CPU_FRAGMENTATION = 0.25
+CPU_HEADROOM = 0.75
+
+
+def machine_gb():
+    """The machine's memory, GB (MemTotal): the same on every run, unlike what is free."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
+
+
+def cpu_plan(cfg, shape, layout, world=1):
+    """Host memory of a run on CPUs, every rank on one machine: (rows of (name, bytes), peak bytes). layout: the largest
+    micro-batch (tokens, longest row, shared sequences' lengths), as dapo.py's cpu_layout cuts it. A rank holds its
+    process and reward workers, vLLM's weights (in the compute dtype) and KV cache (--cpu-kv-cache-gb), and the
+    trainer: its sharded states, then one micro-batch's activations (and sdpa's masks), or AdamW's step temporary."""
+    t = trainer_bytes(cfg, shape, world, "cpu", layout)
+    b = 2 if cfg.precision == "bf16" else 4
+    process = (CPU_PROCESS_GB + cfg.reward_workers * REWARD_WORKER_GB) * GB
+    vllm = b * t["params"] + cfg.cpu_kv_cache_gb * 2**30
+    transient = t["gathered"] + t["activations"] + t["kv_copy"]
+    training = t["training"] + CPU_FRAGMENTATION * transient
+    peak = world * (process + vllm + max(training, t["stepping"]))
+    rows = [(f"processes: {world} x (torch, vLLM, {cfg.reward_workers} reward workers)", world * process),
+            (f"vLLM: weights and {cfg.cpu_kv_cache_gb:g} GiB of KV cache", world * vllm),
+            ("fp32 parameters, gradients, AdamW (m, v)", world * (t["resident"] + t["gradients"])),
+            (f"activations + logits, {t['tokens']} tokens/micro-batch" + (" (with sdpa's shared masks)" if t["masks"]
+                                                                          else ""), world * t["activations"]),
+            ("allocator's kept memory, 1/4 of the activations", world * CPU_FRAGMENTATION * transient),
+            ("AdamW's step temporary", world * t["adamw_temporary"]), ("peak", peak)]
+    return rows, peak
 
 
 def host_plan(cfg, shape, P, W, gpus_per_node, weight_file, export_bytes=2):

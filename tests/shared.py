@@ -195,7 +195,7 @@ def _gradient(model_dir, device, micro_batch_size, micro_batch_tokens=0, grad_ch
         s["ref_logp"] = s["old_logp"] + torch.tensor([extra.gauss(0, 0.5) for _ in s["response_ids"]])
         s["old_entropy"] = torch.tensor([extra.uniform(0, 2) for _ in s["response_ids"]])
     dapo.overlong_filtering(samples, cfg)
-    minis, plan = dapo.micro_batches(samples, cfg)
+    minis, plan = dapo.micro_batches(samples, cfg, cfg.shared_prefix)
     if not micro_batch_tokens:
         assert len(plan[0]) == 8 // dapo.world() // micro_batch_size
     groups = dapo.all_gather_objects([[s["row"] for s in mb if not s.get("dummy")] for mb in plan[0]])[0]
@@ -207,7 +207,7 @@ def _gradient(model_dir, device, micro_batch_size, micro_batch_tokens=0, grad_ch
     for name, knob in {**runs, **KNOBS}.items() if variants else [(cfg.loss, {})]:
         c = dataclasses.replace(cfg, **knob)
         model.zero_grad(set_to_none=True)
-        minis, plan = dapo.micro_batches(samples, c)
+        minis, plan = dapo.micro_batches(samples, c, c.shared_prefix)
         dapo.select_tokens(minis[0], plan[0], c, (0, 0, 0))   # over the whole mini-batch, every rank's tokens
         dapo.policy_gradient(_pg_run(model, c, device), minis[0], plan[0])
         out[name] = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
@@ -268,8 +268,8 @@ def _update_samples(n=8, seed=0):
 
 
 def _pg_run(model, cfg, device):
-    """What policy_gradient reads of the run."""
-    return types.SimpleNamespace(cfg=cfg, model=model, pad_id=0, device=device)
+    """What policy_gradient reads of the run: --shared-prefix as given, every group's prompt once by default."""
+    return types.SimpleNamespace(cfg=cfg, model=model, pad_id=0, device=device, share=cfg.shared_prefix is not False)
 
 
 def _padded_collate(samples, pad_id, device, one_row=False, shared=False):

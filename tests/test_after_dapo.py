@@ -620,8 +620,8 @@ def _lora_reference_worker(model_dir):
     samples = _update_samples()
     for s in samples:
         s["trained"] = True
-    run = types.SimpleNamespace(cfg=cfg, model=model, ref=model, pad_id=0, device=device)
-    _, plan = dapo.micro_batches(samples, cfg)
+    run = types.SimpleNamespace(cfg=cfg, model=model, ref=model, pad_id=0, device=device, share=True)
+    _, plan = dapo.micro_batches(samples, cfg, True)
     dapo.old_logprobs(run, plan)
     base = dapo.load_policy(dataclasses.replace(cfg, lora_rank=0, kl_coef=0.0), model_dir, device)
     gaps = {"ref_vs_base": 0.0, "policy_vs_base": 0.0}

@@ -14,6 +14,7 @@ import dapo
 from tests.shared import (
     GRAD_RTOL, KNOBS, _grads, _padded_collate, _padded_forward_logprobs, _relative_gap, _run, _toy_samples,
     _torchrun)
+import trainer_check  # tools/trainer_check.py: the shared-prompt check a GPU runs (tests/shared.py puts tools/ on the path)
 
 
 _MEM_SCRIPT = r"""
@@ -216,6 +217,71 @@ def test_shared_prompts_in_bf16_stay_within_bf16s_own_rounding():
         assert err[0] <= 2 * noise[0] + 1e-3 and err[1] <= 2 * noise[1]
 
 
+def test_shared_prefix_by_default_shares_where_it_pays():
+    """--shared-prefix resolved for the attention and the model (sharing): flex attention's block mask always
+    forwards a group's prompt once; under sdpa's dense mask a response joins its group's shared sequence while
+    that costs less than a copy of the prompt (share_pays, in attention pairs; beta: the decoder's FLOPs of one
+    position over one pair's), and no shared sequence passes SDPA_SHARED_MAX positions. On the project's shapes:
+    bench_step's short prompts and long responses go plain, the demo's, the showcase's and the ladder's share
+    whole groups, the carry task and a long-response laptop shape share in parts. The flags force either way;
+    flash attention never shares. A part of a run never shares less than the whole did (so a micro-batch cut
+    by --micro-batch-tokens forwards no more tokens than pack_by_tokens counted)."""
+    import random
+    from transformers import LlamaConfig, Qwen2Config
+    demo = Qwen2Config(hidden_size=128, intermediate_size=512, num_attention_heads=2, num_key_value_heads=2,
+                       head_dim=64)   # the built-in model
+    smol = LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                       head_dim=64)   # SmolLM2-135M
+    beta = {"demo": dapo.sharing(dapo.Config(), demo), "smol": dapo.sharing(dapo.Config(), smol)}
+    assert beta["demo"] == 2 * (2 * 128 * 128 + 2 * 128 * 128 + 3 * 128 * 512) / (4 * 2 * 64) == 1024
+    assert beta["smol"] == 2 * (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536) / (4 * 9 * 64) == 3072
+    assert dapo.sharing(dapo.Config(attn_impl="flex_attention"), demo) is True
+    assert dapo.sharing(dapo.Config(shared_prefix=True), demo) is True
+    assert dapo.sharing(dapo.Config(shared_prefix=False, attn_impl="flex_attention"), demo) is False
+    assert dapo.sharing(dapo.Config(attn_impl="flash_attention_2"), demo) is False
+
+    def parts(prompt_len, lens, share):
+        return [len(r) for r in dapo.prompt_runs([{"prompt_ids": [1] * prompt_len, "len": n} for n in lens], share)]
+    shapes = {"bench_step": (8, [117] * 8, "demo", [1] * 8), "demo": (12, [6] * 8, "demo", [8]),
+              "carry": (15, [50] * 8, "demo", [4, 4]), "showcase": (92, [6] * 8, "smol", [8]),
+              "ladder": (147, [30] * 8, "smol", [8]), "long responses": (173, [512] * 8, "smol", [2, 2, 2, 2])}
+    for name, (P, lens, model, want) in shapes.items():
+        got = parts(P, lens, beta[model])
+        print(f"{name}: a prompt of {P}, responses of {lens[0]}: forwarded as {got}")
+        assert got == want, name
+        assert parts(P, lens, True) == [8] and parts(P, lens, False) == [1] * 8
+    assert parts(100, [300] * 8, 1e12) == [6, 2]   # paying, but 100 + 7 x 300 > SDPA_SHARED_MAX = 2048
+    rng = random.Random(0)
+    for _ in range(200):   # a contiguous part of a run: no more cuts than the whole had within it
+        P, lens = rng.randint(1, 200), [rng.randint(1, 600) for _ in range(rng.randint(2, 16))]
+        whole = dapo.prompt_runs([{"prompt_ids": [1] * P, "len": n} for n in lens], beta["smol"])
+        a = rng.randrange(len(lens))
+        b = rng.randint(a + 1, len(lens))
+        part = dapo.prompt_runs([{"prompt_ids": [1] * P, "len": n} for n in lens[a:b]], beta["smol"])
+        within = {next(k for k, r in enumerate(whole) if i in r) for i in range(a, b)}
+        assert len(part) <= len(within), (P, lens, a, b)
+
+
+def test_a_micro_batch_mixing_shared_and_plain_groups_gives_the_plain_gradient():
+    """sdpa's rule on one micro-batch: a group of short responses after a long prompt shares it whole, a group
+    of long responses after a 2-token prompt goes plain, a third shares it in two parts; the log-probs,
+    entropies and gradient equal those of a copy of the prompt per response, in rows and in one row."""
+    model = _tiny_causal_lm("qwen2")
+    beta = dapo.sharing(dapo.Config(), model.config)
+    samples = _grouped_samples(((20, [3, 4, 5, 2]), (2, [40, 45, 50]), (12, [60, 60, 60])))
+    runs = dapo.prompt_runs(samples, beta)
+    assert [len(r) for r in runs] == [4, 1, 1, 1, 2, 1], runs
+    plain = _logprobs_and_grads(model, samples, shared=False)
+    for one_row in (False, True):
+        mixed = _logprobs_and_grads(model, samples, shared=beta, one_row=one_row)
+        logp, grad = _shared_gaps(mixed, plain)
+        print(f"{'one row' if one_row else 'rows'}: {mixed[3]['input_ids'].numel()} positions; max |log-prob| "
+              f"difference {logp:.1e}, gradient {grad:.1e} of the largest entry")
+        assert logp < 1e-5 and grad < GRAD_RTOL
+        assert (mixed[1] - plain[1])[plain[3]["mask"].bool()].abs().max() < 1e-5   # the entropies
+        assert (mixed[3]["segment"] > 0).sum() == 20 + 14 + 2 * 3 + 135 + 12 * 2 + 180
+
+
 def test_trainer_ranks_cut_a_mini_batch_into_consecutive_shares_of_equal_load(monkeypatch):
     """On 3 ranks: each mini-batch's samples go in order to consecutive shares (a group stays whole unless a
     cut falls inside it, at most 2 cuts), of equal sample counts with --micro-batch-size, of real tokens within
@@ -231,7 +297,7 @@ def test_trainer_ranks_cut_a_mini_batch_into_consecutive_shares_of_equal_load(mo
     for mode in ("micro_batch_size", "micro_batch_tokens", "no sharing"):
         cfg = dapo.Config(num_mini_batches=2, micro_batch_tokens=0 if mode == "micro_batch_size" else 500,
                           shared_prefix=mode != "no sharing")
-        owner = dapo.trainer_ranks(samples, cfg)
+        owner = dapo.trainer_ranks(samples, cfg, cfg.shared_prefix)
         for m in range(2):
             mine = owner[m * 24:(m + 1) * 24]
             assert mine == sorted(mine) and set(mine) == {0, 1, 2}   # consecutive shares
@@ -246,7 +312,7 @@ def test_trainer_ranks_cut_a_mini_batch_into_consecutive_shares_of_equal_load(mo
             cuts = sum(mine[i] != mine[i + 1] for i in range(23) if i % 4 != 3)   # within a group
             assert cuts <= 2
         stubs = [{"prompt_ids": s["prompt_ids"], "len": s["len"]} for s in samples]
-        assert dapo.trainer_ranks(stubs, cfg) == owner
+        assert dapo.trainer_ranks(stubs, cfg, cfg.shared_prefix) == owner
 
 
 def test_pack_by_tokens_counts_a_shared_prompt_once_and_cuts_a_group_over_the_budget():
@@ -313,11 +379,13 @@ def test_shared_prefix_is_off_where_the_attention_takes_no_such_mask(tmp_path, c
         assert "sliding-window" in dapo.shared_prefix_off(dapo.Config(), config)
     Qwen2Config(vocab_size=64, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
                 head_dim=64, use_sliding_window=True, sliding_window=64, max_window_layers=0).save_pretrained(tmp_path)
-    cfg = dapo.Config(model=str(tmp_path), max_prompt_len=16, max_response_len=8, overlong_cache_len=2)
-    dapo.preflight(cfg)
+    cfg = dapo.Config(model=str(tmp_path), max_prompt_len=16, max_response_len=8, overlong_cache_len=2,
+                      shared_prefix=True)
+    dapo.preflight(cfg)   # given, and impossible: a note, and off in the config the run records
     assert "note: --shared-prefix is off: the model's sliding-window" in capsys.readouterr().out
-    assert not cfg.shared_prefix
-    assert dapo.parse_config(["--no-shared-prefix"]).shared_prefix is False and dapo.Config().shared_prefix
+    assert cfg.shared_prefix is False
+    assert dapo.sharing(dapo.Config(), config) is False   # by default: off without a note
+    assert dapo.parse_config(["--no-shared-prefix"]).shared_prefix is False and dapo.Config().shared_prefix is None
     eager = types.SimpleNamespace(config=types.SimpleNamespace(_attn_implementation="eager"))
     batch = dapo.collate(_grouped_samples(((3, [2, 2]),)), 0, "cpu", shared=True)
     with pytest.raises(dapo.DapoError, match="--no-shared-prefix"):
@@ -407,7 +475,7 @@ def test_padding_micro_batches_are_one_prompt_and_one_response_token(monkeypatch
     monkeypatch.setattr(dapo, "rank", lambda: 0)
     samples = [{"prompt_ids": [5 + i] * 3, "response_ids": [7] * n, "len": n, "truncated": False, "adv": 1.0}
                for i, n in enumerate((60, 20, 20, 20))]   # half the tokens each: rank 0 trains the long one alone
-    _, plan = dapo.micro_batches(samples, dapo.Config(num_mini_batches=1, micro_batch_tokens=24))
+    _, plan = dapo.micro_batches(samples, dapo.Config(num_mini_batches=1, micro_batch_tokens=24), True)
     pads = [mb for mb in plan[0] if mb[0].get("dummy")]
     assert len(plan[0]) == 3 and len(pads) == 2                              # rank 1 needs 3 micro-batches
     for mb in pads:
@@ -775,11 +843,11 @@ def _traffic_worker(out_path):
             samples = [s for g in kept for s in g]
             for s, a in zip(samples, dapo.group_advantages(torch.tensor([s["reward"] for s in samples]), 4).tolist()):
                 s["adv"] = a
-            tokens = dapo.distribute(samples, cfg)
+            tokens = dapo.distribute(samples, cfg, True)
             trained = [s for s in samples if s["trainer"] == dapo.rank()]
             share = len(pickle.dumps([(s["response_ids"], s["vllm_logp"]) for s in trained]))
             # every rank trains on exactly the samples micro_batches gives it, with the generated tokens
-            want = [s for micros in dapo.micro_batches(samples, cfg)[1] for mb in micros for s in mb if not s.get("dummy")]
+            want = [s for micros in dapo.micro_batches(samples, cfg, True)[1] for mb in micros for s in mb if not s.get("dummy")]
             assert trained == want
             everyone = [x for part in dapo.all_gather_objects(held)[0] for x in part]
             for s in trained:
@@ -877,19 +945,16 @@ def _grouped_samples(spec, seed=0, vocab=64):
 
 
 def _logprobs_and_grads(model, samples, shared, one_row=False):
-    """forward_logprobs of the samples in collate's layout: (log-probs, entropies, the gradient of the sum of the
-    log-probs by parameter name, the batch)."""
-    batch = dapo.collate(samples, 0, "cpu", one_row, shared)
-    model.zero_grad(set_to_none=True)
-    lp, ent = dapo.forward_logprobs(model, batch, 1.0, 7)
-    lp[batch["mask"].bool()].sum().backward()
-    return lp.detach().float(), ent.float(), {n: p.grad.float().clone() for n, p in model.named_parameters()}, batch
+    """tools/trainer_check.py's check, which a GPU runs under flex attention: forward_logprobs of the samples in
+    collate's layout, on the CPU, the head in chunks of 7 tokens: (log-probs, entropies, the gradient of the sum of
+    the log-probs by parameter name, the batch)."""
+    return trainer_check.logprobs_and_grads(model, samples, shared, one_row, "cpu", chunk=7)
 
 
 def _shared_gaps(a, b):
-    """(the largest |log-prob| difference, the largest gradient difference over the largest entry) of a against b."""
-    mask = b[3]["mask"].bool()
-    return (a[0] - b[0])[mask].abs().max().item(), _relative_gap(b[2], a[2])[0]
+    """(the largest |log-prob| difference, the largest gradient difference over the largest entry) of a against b
+    (tools/trainer_check.py's, as the GPU check computes them)."""
+    return trainer_check.shared_gaps(a, b)
 
 
 def _hand_mask(samples):

@@ -8,6 +8,7 @@ import contextlib
 import json
 import re
 import shutil
+import types
 import pytest
 import torch
 from lib import demo_model, interrupt
@@ -126,13 +127,16 @@ def test_gpu_check_fails_what_it_must():
 
 def test_first_hour_script_checks_its_arguments_and_prints_commands_that_parse(tmp_path, monkeypatch):
     """tools/first_hour.sh without a GPU: it parses (bash -n); a missing model or data file stops it in one line,
-    exit 2; its dry run logs to the file it names and prints steps 1-7, each command parsing with the flags of
-    the script it runs (dapo.py's, gpu_check's, plan.py's); the 7B commands pass dapo.py's config checks on 8
-    ranks with TP 2, and the resume is the first command with --resume and one more step."""
+    exit 2; its dry run logs to the file it names and prints steps 1-9, each command parsing with the flags of
+    the script it runs (dapo.py's, gpu_check's, trainer_check's, plan.py's); the trainer check runs on 1 GPU and
+    under torchrun at 7B's 2,048 + 20,480 tokens; every torchrun writes each rank's log (--log-dir, --tee);
+    vLLM logs at INFO; the 7B commands pass dapo.py's config checks on 8 ranks with TP 2, and the resume is the
+    first command with --resume and one more step."""
     import shlex
     sys.path.insert(0, os.path.join(HERE, "tools"))
     import gpu_check
     import plan
+    import trainer_check
     script = os.path.join(HERE, "tools", "first_hour.sh")
     assert _run(["bash", "-n", script]).returncode == 0
     models = {}
@@ -157,7 +161,8 @@ def test_first_hour_script_checks_its_arguments_and_prints_commands_that_parse(t
     assert out.returncode == 0, out.stderr
     assert out.stdout == open(tmp_path / "first.log").read() and f"logging to {tmp_path / 'first.log'}" in out.stdout
     steps = re.findall(r"^=== (\d)\. .*\n\$ (.*)$", out.stdout, re.M)
-    assert [n for n, _ in steps] == list("1234567"), steps
+    assert [n for n, _ in steps] == list("123456789"), steps
+    assert "export VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-INFO}" in open(script).read()
     ran = {}
     monkeypatch.setenv("WORLD_SIZE", "8")
     for n, line in steps:
@@ -171,15 +176,120 @@ def test_first_hour_script_checks_its_arguments_and_prints_commands_that_parse(t
             ran[n] = rest
         elif name == "tools/gpu_check.py":
             a, more = gpu_check.parse_args(rest)
-            assert a.model == models["small"] and dapo.parse_config(more).tp_size == (2 if n == "4" else 1)
+            assert a.model == models["small"] and dapo.parse_config(more).tp_size == (2 if n == "5" else 1)
+            assert (a.max_prompt_len, a.max_response_len) == ((2048, 4096) if n == "4" else (0, 0))
+        elif name == "tools/trainer_check.py":
+            a = trainer_check.parse_args(rest)
+            assert (n, a.models, a.json.endswith(".json")) in (("3", "", True), ("6", "7b", True)), (n, a)
         elif name == "tools/plan.py":
             assert plan.parse_config(rest).plan_gpus_per_node == 8
         elif name == "pytest":
             assert n == "2" and rest[:2] == ["-m", "gpu"], line
         else:
             assert n == "1" and "nvidia-smi" in line, line
-    assert ran["7"] == ran["6"][:ran["6"].index("--steps")] + ["--steps", "4", "--resume"]
-    assert ran["6"][ran["6"].index("--steps") + 1] == "3"
+        if "torchrun" in words:   # each rank's own log beside the one the script writes
+            assert words[words.index("--log-dir") + 1].endswith("first_ranks") and "--tee" in words, line
+    assert ran["9"] == ran["8"][:ran["8"].index("--steps")] + ["--steps", "4", "--resume"]
+    assert ran["8"][ran["8"].index("--steps") + 1] == "3"
+
+
+def test_trainer_check_runs_on_cpu_where_vllm_cannot_be_imported(tmp_path):
+    """tools/gpu_check.py --trainer-only in a Python where `import vllm` fails (a stand-in package that raises, first
+    on the path): the trainer's half runs without vLLM, on the built-in model's shape (no CUDA here): shared prompt
+    = copies in fp32 and bf16 within their bounds, the micro-batch's speed, and the CUDA-only rows (flex
+    attention's gradient, the GPU memory against the plan, flex's compiles) skipped by name; the table ends the
+    output and is written as JSON."""
+    fake = tmp_path / "no_vllm" / "vllm"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('vLLM is not installed here')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(fake.parent), os.environ.get("PYTHONPATH")]))}
+    assert _run([sys.executable, "-c", "import vllm"], env=env).returncode != 0
+    out = _run([sys.executable, "tools/gpu_check.py", "--trainer-only", "--json", str(tmp_path / "t.json")], env=env)
+    print(out.stdout[-3000:])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert re.search(r"^trainer_check: CPU \(no CUDA\), 1 rank\(s\); torch \S+ .*transformers \S+", out.stdout, re.M)
+    lines = out.stdout.strip().splitlines()
+    assert lines[-1].startswith("trainer_check: PASS")
+    rows = json.load(open(tmp_path / "t.json"))["rows"]
+    verdicts = {(r["check"], r["what"].split(",")[0]): r["ok"] for r in rows}
+    exact = [r for r in rows if r["check"] == "exact" and r["ok"] is not None]
+    assert [r["what"].rsplit(", ", 1)[1] for r in exact] == ["fp32", "bf16"] and all(r["ok"] for r in exact)
+    assert exact[0]["data"]["logp"] < 1e-4 and exact[1]["data"]["noise_logp"] > exact[0]["data"]["logp"]
+    for check, what in (("exact", "shared prompt = copies under flex attention (the CUDA default)"),
+                        ("memory", "tiny"), ("compiles", "flex attention over several lengths")):
+        assert verdicts[(check, what)] is None, (check, what, verdicts)
+        assert re.search(rf"^  {check} +{re.escape(what)}.* skipped: .* skipped$", out.stdout, re.M), (check, what)
+    speed = next(r for r in rows if r["check"] == "speed")
+    assert speed["ok"] and speed["data"]["tokens_per_s"] > 0 and speed["data"]["mfu"] is None
+
+
+def test_gpu_check_sets_each_logged_phase_beside_the_plan():
+    """gpu_check's table of the GPU memory dapo.py logs per phase (metrics.jsonl's mem/*, gpu_phase) beside the
+    plan's peak for that phase (lib/plan.py), on made-up rows: the largest allocated and reserved over the steps,
+    the device's in use at the phase's end, the plan's training peak or AdamW's for the update."""
+    sys.path.insert(0, os.path.join(HERE, "tools"))
+    import gpu_check
+    from lib import plan
+    cfg = dapo.parse_config(["--model", "Qwen2.5-1.5B", "--max-response-len", "4096", "--overlong-cache-len", "1024"],
+                            cuda=True)
+    rows = [{f"mem/{p}_{k}_gb": v * (1 + s) for p in gpu_check.PLAN_PHASES for k, v in
+             (("allocated", 10.0), ("reserved", 12.0), ("free", 50.0))} for s in (0, 1)]
+    lines = gpu_check.phases_beside_plan(rows, cfg, "Qwen2.5-1.5B", 1, 85.0, cuda=True)
+    print("\n".join(lines))
+    _, v = plan.memory_plan(cfg, plan.model_shape("Qwen2.5-1.5B"), 1, 1, 85.0)
+    update = max(v["peaks"]["peak while training"], v["peaks"]["peak while stepping AdamW"]) / 1e9
+    assert re.search(rf"^  update +20\.0 / +24\.0 / +35\.0   plan +{update:.1f} ", "\n".join(lines), re.M)
+    assert re.search(rf"^  generation .* plan +{v['peaks']['peak while generating'] / 1e9:.1f} ", "\n".join(lines), re.M)
+    assert gpu_check.phases_beside_plan([], cfg, "Qwen2.5-1.5B", 1, 85.0, cuda=True)[1].endswith("not logged")
+    assert "skipped" in gpu_check.phases_beside_plan(rows, cfg, "Qwen2.5-1.5B", 1, 85.0, cuda=False)[0]
+
+
+def test_gpu_phase_records_each_phase_on_a_stand_in_device(monkeypatch):
+    """dapo.py's gpu_phase on a stand-in CUDA device: a step's start resets torch's peaks; each phase's end records
+    its peak allocated and reserved and the device's free memory, GB, under mem/<phase>_*, and resets the peaks
+    again; on a CPU it records nothing."""
+    state = {"allocated": 3e9, "reserved": 4e9, "resets": 0}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: state["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: state["reserved"])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (70e9, 85e9))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: state.update(resets=state["resets"] + 1))
+    run = types.SimpleNamespace(device=torch.device("cuda", 0), gpu={})
+    dapo.gpu_phase(run, None)
+    assert run.gpu == {} and state["resets"] == 1
+    dapo.gpu_phase(run, "generation")
+    state["allocated"] = 9e9
+    dapo.gpu_phase(run, "update")
+    assert run.gpu == {"mem/generation_allocated_gb": 3.0, "mem/generation_reserved_gb": 4.0,
+                       "mem/generation_free_gb": 70.0, "mem/update_allocated_gb": 9.0, "mem/update_reserved_gb": 4.0,
+                       "mem/update_free_gb": 70.0} and state["resets"] == 3
+    cpu = types.SimpleNamespace(device=torch.device("cpu"), gpu={})
+    dapo.gpu_phase(cpu, "update")
+    assert cpu.gpu == {}
+
+
+@pytest.mark.gpu
+def test_gpu_shared_prompt_under_flex_gives_the_plain_gradient(cuda):
+    """The default CUDA update's layout: one group (a 512-token prompt, 8 responses of 1,024-4,097 tokens: 21k
+    positions) in one row, its prompt forwarded once under flex attention's block mask, against a copy of the
+    prompt per response: log-probs and every parameter's gradient (tools/trainer_check.py's check, which
+    tests/test_exactness.py runs under sdpa on a CPU). fp32 within trainer_check.SHARED_FP32; bf16 within twice
+    what bf16 itself moves the plain path from fp32 (+ 1e-3 nats for the log-probs)."""
+    sys.path.insert(0, os.path.join(HERE, "tools"))
+    import trainer_check
+    model = _scaled_qwen2("flex_attention").to(cuda)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    samples = trainer_check.group(512, [1024 + 439 * k for k in range(8)], model.config.vocab_size)
+    run = lambda shared: trainer_check.logprobs_and_grads(model, samples, shared, True, cuda)   # noqa: E731
+    fp32 = {shared: run(shared) for shared in (False, True)}
+    model.to(torch.bfloat16)
+    bf16 = {shared: run(shared) for shared in (False, True)}
+    gap32 = trainer_check.shared_gaps(fp32[True], fp32[False])
+    gap16, noise = trainer_check.shared_gaps(bf16[True], bf16[False]), trainer_check.shared_gaps(bf16[False], fp32[False])
+    print(f"flex, shared - plain: fp32 {gap32}; bf16 {gap16} (bf16 - fp32, plain: {noise})")
+    assert max(gap32) < trainer_check.SHARED_FP32
+    assert gap16[0] <= 2 * noise[0] + 1e-3 and gap16[1] <= 2 * noise[1]
 
 
 def test_packed_row_check_passes_and_fails_on_cpu():

@@ -266,7 +266,8 @@ def _update_worker(model_dir, out_path):
                       max_sync_diff=0.0)   # vLLM's log-probs here are a constant -3: off, but in part 10
     model = dapo.load_policy(cfg, model_dir, device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.1)
-    run = dapo.types.SimpleNamespace(model=model, opt=opt, cfg=cfg, pad_id=0, device=device, state={}, step=1)
+    run = dapo.types.SimpleNamespace(model=model, opt=opt, cfg=cfg, pad_id=0, device=device, state={}, step=1,
+                                     share=True)
 
     def update(samples, c=cfg):
         run.cfg = c
@@ -283,7 +284,7 @@ def _update_worker(model_dir, out_path):
     w0 = full()
     samples = _update_samples()
     if dapo.rank() == 1:
-        samples[dapo.trainer_ranks(samples, cfg).index(1)]["adv"] = float("nan")
+        samples[dapo.trainer_ranks(samples, cfg, True).index(1)]["adv"] = float("nan")
     m = update(samples)
     out["nan"] = {"skipped": m["nonfinite/skipped"], "streak": m["nonfinite/streak"],
                   "moved": max((w0[k] - v).abs().max().item() for k, v in full().items())}
@@ -312,7 +313,7 @@ def _update_worker(model_dir, out_path):
                                for p in model.parameters()])
     batch = _update_samples(seed=3)
     dapo.overlong_filtering(batch, cfg)
-    minis, plan = dapo.micro_batches(batch, cfg)
+    minis, plan = dapo.micro_batches(batch, cfg, True)
     opt.zero_grad()
     dapo.policy_gradient(_pg_run(model, cfg, device), minis[0], plan[0])
     g0, run.cfg = grads(), dataclasses.replace(cfg, grad_clip=0.0)
@@ -325,14 +326,14 @@ def _update_worker(model_dir, out_path):
     # 6. the first mini-batch's old log-probs from its own forward pass == a separate no-grad pass
     batch = _update_samples(seed=4)
     dapo.overlong_filtering(batch, cfg)
-    minis, plan = dapo.micro_batches(batch, cfg)
+    minis, plan = dapo.micro_batches(batch, cfg, True)
     opt.zero_grad()
     dapo.policy_gradient(_pg_run(model, cfg, device), minis[0], plan[0])   # no old_logp yet: its own forward pass
     g_own = torch.cat([(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).flatten()
                        for p in model.parameters()])
     with torch.no_grad():
         for mb in plan[0]:
-            lp, _ = forward(dapo.collate(mb, 0, device, False, cfg.shared_prefix), cfg.temperature, cfg.logprob_chunk)
+            lp, _ = forward(dapo.collate(mb, 0, device, False, True), cfg.temperature, cfg.logprob_chunk)
             for smp, row in zip(mb, lp):
                 smp["old_logp"] = row[:len(smp["response_ids"])].clone()
     opt.zero_grad()
@@ -345,14 +346,14 @@ def _update_worker(model_dir, out_path):
     def gradient(c, samples, old_shift=0.0, vllm_shift=None):  # one mini-batch's flat gradient, off-policy by old_shift
         dapo.overlong_filtering(samples, c)
         with torch.no_grad():
-            for mb in dapo.micro_batches(samples, c)[1][0]:
-                lp, _ = forward(dapo.collate(mb, 0, device, False, c.shared_prefix), c.temperature, c.logprob_chunk)
+            for mb in dapo.micro_batches(samples, c, True)[1][0]:
+                lp, _ = forward(dapo.collate(mb, 0, device, False, True), c.temperature, c.logprob_chunk)
                 for smp, row in zip(mb, lp):
                     smp["old_logp"] = row[:len(smp["response_ids"])].clone() + old_shift
                     if vllm_shift is not None:
                         smp["vllm_logp"] = (smp["old_logp"] + vllm_shift).tolist()
         opt.zero_grad()
-        minis, plan = dapo.micro_batches(samples, c)
+        minis, plan = dapo.micro_batches(samples, c, True)
         dapo.policy_gradient(_pg_run(model, c, device), minis[0], plan[0])
         return torch.cat([(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).flatten()
                           for p in model.parameters()])

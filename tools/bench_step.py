@@ -3,7 +3,8 @@
     python tools/bench_step.py                    # 32 prompts x 8 responses, max 256 tokens, mu = 1
     python tools/bench_step.py --seeds            # generation only: unseeded / per-request seeds / per call
     python tools/bench_step.py --precision fp32 bf16 --tis-cap 2   # both precisions, side by side, one run
-    python tools/bench_step.py --no-shared-prefix # a copy of the prompt per response in the update
+    python tools/bench_step.py --no-shared-prefix # a copy of the prompt per response in the update (--shared-prefix:
+                                                  # each group's prompt once; neither: where it pays, the default)
 
 A random-init tiny Qwen2 (the demo's shape, vocabulary 128, fp32): EOS is one token in 128, so
 responses average ~110 tokens at a maximum of 256, ragged as DAPO's are. Dynamic sampling off,
@@ -40,8 +41,9 @@ def main():
     p.add_argument("--precision", nargs="+", default=["fp32"], choices=["fp32", "bf16"],
                    help="dapo.py's --precision; several: each in a process of its own, one after the other")
     p.add_argument("--tis-cap", type=float, default=0.0, help="dapo.py's --tis-cap (its tis/* shares are printed)")
-    p.add_argument("--shared-prefix", action=argparse.BooleanOptionalAction, default=True,
-                   help="dapo.py's --shared-prefix (a group's prompt forwarded once in the update)")
+    p.add_argument("--shared-prefix", action=argparse.BooleanOptionalAction, default=None,
+                   help="dapo.py's --shared-prefix (a group's prompt forwarded once in the update); neither flag: "
+                        "dapo.py's default, where it pays")
     a = p.parse_args()
     if len(a.precision) > 1:
         return side_by_side(a)
@@ -67,6 +69,7 @@ def main():
     dapo.sync_weights(model, llm)
     sampler = dapo.Sampler(len(rows), cfg.seed)
     run = types.SimpleNamespace(cfg=cfg, llm=llm, tokenizer=tokenizer, model=model, opt=opt, device=device,
+                                share=dapo.sharing(cfg, model.config),
                                 pad_id=tokenizer.pad_token_id, state={}, step=0)
     if a.seeds:
         return bench_seeds(a, cfg, llm, sampler, prompt_ids)
@@ -80,7 +83,7 @@ def main():
         for s, r, adv in zip(samples, rewards.tolist(), dapo.group_advantages(rewards, cfg.group_size).tolist()):
             s.update(reward=r, adv=adv)
         dapo.overlong_filtering(samples, cfg)
-        dapo.distribute(samples, cfg)
+        dapo.distribute(samples, cfg, run.share)
         t1 = time.perf_counter()
         m = dapo.update_policy(run, samples, step)
         t2 = time.perf_counter()

@@ -9,20 +9,26 @@
 #   --small-model  a model small enough for one GPU, whose attention heads split in 2 (Qwen2.5-0.5B-Instruct)
 #   --train-data, --eval-data   the data files of the README's command
 #   --gpus N       GPUs to use (default: all that nvidia-smi lists)
-#   --log FILE     the log (default: first_hour_<date>.log here); --out-dir DIR: the 7B run's (runs/first_hour_<date>)
+#   --log FILE     the log (default: first_hour_<date>.log here; each rank's own log under torchrun, and the trainer
+#                  checks' JSON, in <log>_ranks/); --out-dir DIR: the 7B run's (runs/first_hour_<date>)
 #   --dry-run      check the arguments and print each command without running it
 #   -- FLAGS       more dapo.py flags for both 7B commands (they follow the ones below, so they win)
 #
 # Steps, each timed and logged with its exit status; a failing step does not stop the next:
-#   1. nvidia-smi and the library versions
+#   1. nvidia-smi, its topology matrix and the library versions
 #   2. pytest -m gpu                                      the GPU tests (minutes, nothing downloaded)
-#   3. tools/gpu_check.py on 1 GPU                        the small model
-#   4. tools/gpu_check.py under torchrun, N ranks, TP 2   the small model, the README's layout
-#   5. tools/plan.py on the command of step 6             what the plan says each GPU will hold
-#   6. the README's 8-GPU command, small: 3 steps, saved  (its full sizes take hours a step)
-#   7. the same command with --resume, for one more step
-#   nvidia-smi samples every GPU's memory while 6 and 7 run; the log ends with each GPU's peak (GPU i is
-#   rank i: torchrun's local rank picks the device) and a summary line per step.
+#   3. tools/trainer_check.py on 1 GPU, no vLLM           the README's 1.5B and 7B's width, at their lengths
+#   4. tools/gpu_check.py on 1 GPU                        the small model, the README's 1-GPU lengths
+#   5. tools/gpu_check.py under torchrun, N ranks, TP 2   the small model, the README's layout
+#   6. tools/trainer_check.py under torchrun, N ranks     7B at the README's lengths (2,048 + 20,480): one
+#                                                         micro-batch a rank and AdamW's step, beside the plan
+#   7. tools/plan.py on the command of step 8             what the plan says each GPU will hold
+#   8. the README's 8-GPU command, small: 3 steps, saved  (one step at its full lengths takes hours)
+#   9. the same command with --resume, for one more step
+#   vLLM logs at INFO (its KV cache, CUDA-graph memory, what sleep frees: the lines the plan's allowances are
+#   checked against); under torchrun each rank also writes its own log (torchrun --log-dir --tee). nvidia-smi
+#   samples every GPU's memory while 8 and 9 run; the log ends with each GPU's peak (GPU i is rank i:
+#   torchrun's local rank picks the device) and a summary line per step.
 set -uo pipefail
 
 MODEL="" SMALL="" TRAIN="" EVAL="" GPUS="" LOG="" OUT="" DRY=0 EXTRA=()
@@ -68,6 +74,10 @@ OUT=${OUT:-runs/first_hour_$stamp}
 [ -e "$OUT" ] && fail "--out-dir $OUT exists: give a new directory (the 7B run starts fresh there)"
 touch "$LOG" 2> /dev/null || fail "--log $LOG cannot be written"
 LOG=$(cd "$(dirname "$LOG")" && pwd)/$(basename "$LOG")
+RANKS=${LOG%.log}_ranks   # each rank's log under torchrun, and the trainer checks' tables (JSON)
+# vLLM's start-up and sleep lines (available KV cache memory, CUDA-graph memory, memory freed by sleep): dapo.py
+# keeps vLLM at ERROR unless this says otherwise
+export VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-INFO}
 
 # The README's 8-GPU command, with small sizes for a first try: 2 prompts per GPU, 8 responses of at most
 # 1,024 tokens each, 2 mini-batches. --grad-checkpointing: without it tools/plan.py puts the training peak
@@ -76,7 +86,7 @@ SEVEN_B=(dapo.py --model "$MODEL" --train-data "$TRAIN" --eval-data "$EVAL" --tp
          --prompts-per-step $((2 * GPUS)) --group-size 8 --gen-batch-size $((6 * GPUS)) --num-mini-batches 2
          --max-prompt-len 1024 --max-response-len 1024 --overlong-cache-len 256 --grad-checkpointing
          --eval-samples 2 --eval-max-prompts 8 --out-dir "$OUT")
-TORCHRUN=(torchrun --standalone --nproc_per_node="$GPUS")
+TORCHRUN=(torchrun --standalone --nproc_per_node="$GPUS" --log-dir "$RANKS" --tee 3)
 
 exec > >(tee -a "$LOG") 2>&1
 echo "first_hour: logging to $LOG"
@@ -95,32 +105,34 @@ step() {  # step NAME COMMAND...: run it (or print it under --dry-run), timed, i
 
 skip() { echo; echo "=== $1"; echo "skipped: $2"; SUMMARY+=("skipped  $1: $2"); }
 
-step "1. nvidia-smi and versions" bash -c 'nvidia-smi; python -c "import torch, vllm, transformers; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"vllm\", vllm.__version__, \"transformers\", transformers.__version__)"'
+step "1. nvidia-smi and versions" bash -c 'nvidia-smi; nvidia-smi topo -m; python -c "import torch, vllm, transformers; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"nccl\", torch.cuda.nccl.version(), \"vllm\", vllm.__version__, \"transformers\", transformers.__version__)"'
 step "2. pytest -m gpu" python -m pytest -m gpu -v -rs
-step "3. gpu_check, 1 GPU" env CUDA_VISIBLE_DEVICES=0 python tools/gpu_check.py --model "$SMALL"
+step "3. trainer_check, 1 GPU, no vLLM" env CUDA_VISIBLE_DEVICES=0 python tools/trainer_check.py --json "$RANKS/trainer_check_1gpu.json"
+step "4. gpu_check, 1 GPU, the 1-GPU command's lengths" env CUDA_VISIBLE_DEVICES=0 python tools/gpu_check.py --model "$SMALL" --max-prompt-len 2048 --max-response-len 4096
 if [ "$GPUS" -ge 2 ] && [ $((GPUS % 2)) = 0 ]; then
-  step "4. gpu_check, torchrun $GPUS ranks, TP 2" "${TORCHRUN[@]}" tools/gpu_check.py --model "$SMALL" --tp-size 2
-  step "5. the plan of step 6" python tools/plan.py "${SEVEN_B[@]:1}" --steps 3 --plan-gpus-per-node "$GPUS" ${EXTRA[@]+"${EXTRA[@]}"}
+  step "5. gpu_check, torchrun $GPUS ranks, TP 2" "${TORCHRUN[@]}" tools/gpu_check.py --model "$SMALL" --tp-size 2
+  step "6. trainer_check, torchrun $GPUS ranks, 7B at 2048 + 20480 tokens" "${TORCHRUN[@]}" tools/trainer_check.py --models 7b --checks memory --json "$RANKS/trainer_check_7b.json"
+  step "7. the plan of step 8" python tools/plan.py "${SEVEN_B[@]:1}" --steps 3 --plan-gpus-per-node "$GPUS" ${EXTRA[@]+"${EXTRA[@]}"}
   samples=$(mktemp)
   if [ "$DRY" = 0 ]; then
     nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv,noheader,nounits -lms 500 > "$samples" &
     sampler=$!
   fi
-  step "6. the README's 8-GPU command, 3 steps, saved" "${TORCHRUN[@]}" "${SEVEN_B[@]}" --steps 3 ${EXTRA[@]+"${EXTRA[@]}"}
-  step "7. the same, --resume for one more step" "${TORCHRUN[@]}" "${SEVEN_B[@]}" --steps 4 --resume ${EXTRA[@]+"${EXTRA[@]}"}
+  step "8. the README's 8-GPU command, 3 steps, saved" "${TORCHRUN[@]}" "${SEVEN_B[@]}" --steps 3 ${EXTRA[@]+"${EXTRA[@]}"}
+  step "9. the same, --resume for one more step" "${TORCHRUN[@]}" "${SEVEN_B[@]}" --steps 4 --resume ${EXTRA[@]+"${EXTRA[@]}"}
   if [ "$DRY" = 0 ]; then
     kill "$sampler" 2> /dev/null; wait "$sampler" 2> /dev/null
-    echo; echo "=== nvidia-smi: each GPU's peak memory while steps 6 and 7 ran (GPU i = rank i), MiB"
+    echo; echo "=== nvidia-smi: each GPU's peak memory while steps 8 and 9 ran (GPU i = rank i), MiB"
     awk -F', *' '$2 > peak[$1] {peak[$1] = $2; total[$1] = $3} END {for (g in peak) printf "  GPU %s: %s of %s\n", g, peak[g], total[g]}' "$samples" | sort -V
   fi
   rm -f "$samples"
 else
-  for s in "4. gpu_check under torchrun, TP 2" "5. the plan" "6. the README's 8-GPU command" "7. its --resume"; do
+  for s in "5. gpu_check under torchrun, TP 2" "6. trainer_check under torchrun" "7. the plan" "8. the README's 8-GPU command" "9. its --resume"; do
     skip "$s" "TP 2 needs an even number of GPUs ($GPUS here)"
   done
 fi
 
 echo; echo "=== summary"
 printf '  %s\n' "${SUMMARY[@]}"
-echo "first_hour: the log is $LOG: attach it to a bug report"
+echo "first_hour: the log is $LOG, each rank's and the trainer checks' in $RANKS: attach both to a bug report"
 ! printf '%s\n' "${SUMMARY[@]}" | grep -q '^FAILED'

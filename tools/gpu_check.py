@@ -3,6 +3,7 @@ gpu_check.py: the first thing to run on a GPU machine, on one GPU and on the lay
 the output to attach to a bug report).
 
     python tools/gpu_check.py --model Qwen/Qwen2.5-0.5B-Instruct                 # any small model you have
+    python tools/gpu_check.py --trainer-only     # no vLLM needed: the trainer's half (tools/trainer_check.py)
     torchrun --nproc_per_node=8 tools/gpu_check.py --model <a model> --tp-size 2  # the README's 8-GPU layout
     torchrun --nproc_per_node=8 tools/gpu_check.py --model <the run's model> --tp-size 2 \\
         --max-prompt-len 2048 --max-response-len 4096 <the run's memory flags>    # the run's lengths
@@ -40,7 +41,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 import dapo  # noqa: E402
-from lib import check_data, demo_model, dist, interrupt  # noqa: E402
+from lib import check_data, demo_model, dist, interrupt, plan  # noqa: E402
 
 GAP_LIMIT = dapo.Config.max_sync_diff  # nats, mean |vLLM - trainer| log-prob (healthy bf16: ~0.01-0.04)
 MEMORY_LIMIT = 0.95  # of each GPU's memory, at the peak of any phase
@@ -260,6 +261,34 @@ def memory_table(reports, cuda):
     return [head] + [("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths))).rstrip() for row in table]
 
 
+# Each phase dapo.py records in metrics.jsonl (gpu_phase) and the plan's peaks that bound it (lib/plan.py)
+PLAN_PHASES = {"generation": ("peak while generating",), "old_logp": ("peak while training",),
+               "update": ("peak while training", "peak while stepping AdamW"), "sync": ("peak while generating",)}
+
+
+def phases_beside_plan(rows, cfg, model, world, total_gb, cuda):
+    """Rank 0's GPU memory in each phase of a step as dapo.py logs it (metrics.jsonl's mem/*, gpu_phase: the largest
+    over the steps), beside the plan's peak for that phase at this world's size and this GPU's memory."""
+    if not cuda:
+        return ["GPU memory per phase beside the plan (metrics.jsonl's mem/*): skipped, no GPU"]
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    _, v = plan.memory_plan(cfg, plan.model_shape(model), -(-world // per_node), per_node, total_gb)
+    lines = [f"GPU memory per phase, rank 0, GB (metrics.jsonl: torch's peak allocated / reserved, the device's in use "
+             f"at the phase's end) beside the plan's peak ({world} rank(s), {total_gb:.1f} GB GPUs):"]
+    for phase, keys in PLAN_PHASES.items():
+        got = [r for r in rows if f"mem/{phase}_allocated_gb" in r]
+        if not got:
+            lines.append(f"  {phase:<10} not logged")
+            continue
+        alloc = max(r[f"mem/{phase}_allocated_gb"] for r in got)
+        reserved = max(r[f"mem/{phase}_reserved_gb"] for r in got)
+        in_use = total_gb - min(r[f"mem/{phase}_free_gb"] for r in got)
+        planned = max(v["peaks"][k] for k in keys) / 1e9
+        lines.append(f"  {phase:<10} {alloc:6.1f} / {reserved:6.1f} / {in_use:6.1f}   plan {planned:6.1f} "
+                     f"({' or '.join(k.replace('peak ', '') for k in keys)})")
+    return lines
+
+
 def all_checks(reports, rows, files, steps, cuda, error):
     """(what, value, limit, passed or None = skipped), from every rank's report and rank 0's metrics.jsonl."""
     checks = [("the run", error, "finishes", False)] if error else []
@@ -398,7 +427,8 @@ def main(argv=None):
         checks = all_checks(reports, rows, files, steps, cuda, error)
         print(f"\ngpu_check: {a.model} on {world} rank(s), {reports[0]['device']}, torch {torch.__version__}, "
               f"prompts up to {prompt_len} tokens, responses {response_len}" + (" (ignore_eos)" if full else ""))
-        print("\n".join(memory_table(reports, cuda)) + "\n")
+        print("\n".join(memory_table(reports, cuda)))
+        print("\n".join(phases_beside_plan(rows, cfg, a.model, world, reports[0]["total"], cuda)) + "\n")
         widths = [max((len(str(c[i])) for c in checks if len(str(c[i])) <= 64), default=0)  # longer ones stick out
                   for i in range(3)]
         for *cells, ok in checks:
@@ -416,6 +446,14 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    if "--trainer-only" in sys.argv:  # the trainer's half alone, no vLLM: tools/trainer_check.py
+        sys.argv.remove("--trainer-only")
+        import trainer_check
+        try:
+            sys.exit(trainer_check.main())
+        except dapo.DapoError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.exit(2)
     gc.disable()  # as dapo.py's own start and end: set_up turns it back on once vLLM is up
     try:
         code = main()
