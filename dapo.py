@@ -91,7 +91,8 @@ class DapoConfig:
     group_size: int = 16             # G: responses sampled per prompt {>= 2: Eq. 9 needs a group}
     gen_batch_size: int = 1536       # prompts per generation batch (the reference run: 3 x 512)
     #  {>= 1}
-    max_gen_batches: int = 10        # give up filling one batch after this many generation batches
+    max_gen_batches: int = 10        # give up filling one batch after this many generation batches,
+    #  or sooner if those left could not fill it at twice the keep rate so far (none kept: at once)
     #  {>= 1: there is no "no limit": give a large number}
     max_response_len: int = 20480    # L_max (Eq. 13): generation stops here (truncated) {>= 1}
     temperature: float = 1.0         # sampling temperature for training rollouts
@@ -143,7 +144,8 @@ class DapoConfig:
 #                          metrics score/* and reward/mean follow, but reward/errors and
 #                          reward/timeouts count the function's failures
 #   answer, metrics        --reward, where it gives them: the answer read (maj@k); score/<name>
-#   failed                 --reward raised, crashed, overran or returned garbage (group's lowest)
+#   failed                 --reward raised, crashed, overran or returned garbage: it scores its
+#                          group's lowest, at most -1 (reward.score_batch)
 #   reward                 shape_rewards: the score plus Eq. 13's penalty (what Eq. 9 reads)
 #   adv                    set_advantages: A_i (Eq. 9, or --adv-estimator's)
 #   trained                overlong_filtering (Sec. 3.4): False masks the sample's loss
@@ -163,7 +165,12 @@ class DapoConfig:
 #
 # The run: what set_up (Part 3) builds for the loop. Key: what it holds.
 #   cfg, device            the Config; this rank's accelerator (or the CPU)
-#   llm, tokenizer, pad_id vLLM in this process (it samples from π_θold); the tokenizer; its pad id
+#   llm, tokenizer, pad_id vLLM in this process (it samples from π_θold); the tokenizer; its pad id.
+#                          push_weights (Part 3) makes it π_θ once a step: every state_dict tensor
+#                          (a tied lm_head too) in ONE reload_weights call, a vLLM parameter left
+#                          unwritten refused, the prefix cache reset (on CUDA, vLLM asleep while
+#                          the trainer works, woken around it); check_sync then compares vLLM's
+#                          log-probs of the next step's samples with π_θold's (--max-sync-diff)
 #   model, opt             π_θ, sharded with FSDP2 (fp32 master weights), and its AdamW.
 #                          model.forward_logprobs(batch, T, chunk) (Part 3): (B, R) log π_θ and
 #                          entropy of each response token: the decoder over packed rows, then an
@@ -208,7 +215,7 @@ def policy_loss(logp, old_logp, advantages, mask, cfg, denom=None, more=None):
     (Part 2's loss_terms), None for the paper's objective. Returns (loss, stats)."""
     log_ratio = torch.where(mask.bool(), logp - old_logp, 0.0).clamp(-20.0, 20.0)  # as verl's
     ratio = torch.exp(log_ratio)  # Eq. 9's r_{i,t} = π_θ(o_{i,t} | q, o_{i,<t}) / π_θold(...)
-    more = more or {}  # loss_terms' (Part 2): {} at DAPO's defaults
+    more = more or {}  # loss_terms' (Part 2): None at DAPO's defaults
     rollout, picked = more.get("rollout_logp", old_logp), more.get("picked", torch.zeros_like(mask))
     t = Tokens(logp, old_logp, log_ratio, ratio, advantages.unsqueeze(-1), mask, rollout, picked)
     token_loss = dapo_token_loss if cfg.loss == "dapo" else OBJECTIVES[cfg.loss]["token_loss"]
@@ -313,7 +320,7 @@ def train(cfg):
         samples = [s for g in kept for s in g]
         metrics["batch/effective_groups"] = set_advantages(samples, cfg)  # 9: Â_{i,t} (Eq. 9)
         overlong_filtering(samples, cfg)  # Sec. 3.4
-        to_trainers(run, samples, metrics)  # Part 3, ranks > 1: tokens to the rank training them
+        to_trainers(run, samples, metrics)  # Part 3: tokens to their ranks; 1 process: no transfer
         metrics.update(update_policy(run, samples, step))  # 10-11: μ updates maximising Eq. 8
         metrics.update(push_weights(run))  # 3, for the next step: π_θold <- π_θ, into vLLM (Part 3)
         if step + 1 == cfg.steps:  # held-out evaluation (Part 1, below); the logs, a checkpoint
@@ -1049,7 +1056,8 @@ def parse_config(argv=None, cls=Config, cuda=None):
 
 def cpu_layout(cfg, share):
     """The largest micro-batch of a CPU run, every sequence at its maximum length (lib/plan.py's worst case), as
-    micro_batches cuts it: (its real tokens, its longest row, the lengths of its shared sequences)."""
+    micro_batches cuts it and collate lays it out (prompt_runs under share): (its real tokens, its longest row,
+    the lengths of its shared sequences)."""
     P, R, G = cfg.max_prompt_len, cfg.max_response_len, cfg.group_size
     n = max(cfg.micro_batch_size, cfg.micro_batch_tokens // R + 1)  # enough samples to fill one micro-batch
     stubs = [{"prompt_ids": [g] * P, "len": R} for g in range(-(-n // G) + 1) for _ in range(G)]
@@ -1164,7 +1172,7 @@ def trainer_ranks(samples, cfg, share):
         mini = samples[m * size:(m + 1) * size]
         if cfg.micro_batch_tokens:  # real tokens, a shared prompt once
             cost = [s["len"] for s in mini]
-            for run in prompt_runs(mini, share):
+            for run in prompt_runs(mini, share is True):  # sdpa's rule decides per micro-batch: copies
                 cost[run[0]] += len(mini[run[0]]["prompt_ids"])
         else:  # sequences: every rank runs as many micro-batches
             cost = [1] * len(mini)
@@ -1353,8 +1361,9 @@ def sync_weights(model, llm, skip=()):
 
 
 def push_weights(run):
-    """Algorithm 1's weight sync (line 3, π_θold <- π_θ), after every update. After a sleep, the weights wake
-    first and are reloaded before the KV cache returns. Returns {"sync/bytes": the bytes pushed into vLLM}."""
+    """Algorithm 1's weight sync (line 3, π_θold <- π_θ), once per rollout step, after its μ updates. After a
+    sleep, the weights wake first and are reloaded before the KV cache returns. Returns {"sync/bytes": the bytes
+    pushed into vLLM}."""
     run.clock["sync"] = time.perf_counter()
     gpu_phase(run, "update")
     if run.sleep:
@@ -1423,19 +1432,21 @@ def first_fit_decreasing(lengths, cap):
     return bins
 
 
-# --shared-prefix's rule under sdpa (the CPU default), whose dense mask makes attention cost every (q, kv) pair of
-# a row: a response joins its group's shared sequence while that costs less than a copy of the prompt (share_pays),
-# and no shared sequence passes SDPA_SHARED_MAX positions, whose (L, L) mask sdpa saves in the compute dtype in
-# every layer (16 MiB a layer in fp32 at 2,048). Flex attention's block mask skips what a response cannot see, so
-# there a group's prompt always goes once.
+# --shared-prefix's rule under sdpa (the CPU default). sdpa packs a micro-batch's sequences into rows as long as the
+# longest and computes every (q, kv) pair of a row under its dense mask, so the update costs about T (beta + L): T
+# positions forwarded, L the row length, beta the decoder's FLOPs of one position in attention pairs (sharing). A
+# group's responses share their prompt in parts of at most `cap` positions, the cap that costs least: the longest
+# copy (rows no longer: only fewer positions) or a run's whole length, never past SDPA_SHARED_MAX (sdpa keeps each
+# shared sequence's (L, L) mask in every layer: 16 MiB a layer in fp32 at 2,048). Flex attention's block mask skips
+# what a response cannot see, so there a group's prompt always goes once.
 SDPA_SHARED_MAX = 2048
 
 
 def sharing(cfg, config):
     """--shared-prefix resolved for this run's attention and model (config: its transformers config), as
     prompt_runs takes it: True (each group's prompt once: flex attention, or --shared-prefix given), False (a copy
-    per response: --no-shared-prefix, or shared_prefix_off), or under sdpa by default the rule's beta
-    (share_pays): the FLOPs of one position in the decoder's matmuls over those of one attention pair."""
+    per response: --no-shared-prefix, or shared_prefix_off), or under sdpa by default beta for the rule
+    (shared_parts): the FLOPs of one position in the decoder's matmuls over those of one attention pair."""
     if cfg.shared_prefix is False or shared_prefix_off(cfg, config):
         return False
     if cfg.shared_prefix or attention(cfg) != "sdpa":
@@ -1446,15 +1457,6 @@ def sharing(cfg, config):
     return matmuls / (4 * nh * hd)  # QKᵀ and PV: 4 x heads x head_dim FLOPs a (q, kv) pair
 
 
-def share_pays(prompt_len, length, joined, beta):
-    """sdpa's rule: whether a response of `length` tokens costs less joined to a shared sequence that holds
-    `joined` response tokens after its prompt P than as a copy of its own. Joining adds 2 (P + joined) length +
-    length² attention pairs and beta x length; a copy costs (P + length)² + beta x (P + length). So: join while
-    length x joined < P (P + beta) / 2: long prompts and short responses share, short prompts and long responses
-    do not (a part of a run shares at least as much as the whole: the test only tightens as `joined` grows)."""
-    return length * joined < prompt_len * (prompt_len + beta) / 2
-
-
 def response_len(s):
     """A sample's response tokens (a stub on another rank has only its length)."""
     return len(s["response_ids"]) if "response_ids" in s else s["len"]
@@ -1462,23 +1464,39 @@ def response_len(s):
 
 def prompt_runs(samples, shared=True):
     """Index lists of the samples forwarded as one sequence, [prompt | response_1 | ... ]: consecutive samples
-    with one prompt (a group, or its part at hand) when shared is True, one sample each when False; under sdpa's
-    rule (shared: beta, from sharing) a run is cut where the next response would cost more joined than as a copy
-    (share_pays) or would take the sequence past SDPA_SHARED_MAX positions."""
+    with one prompt (a group, or its part at hand) when shared is True, one sample each when False, or sdpa's
+    rule over these samples, a micro-batch (shared: beta, from sharing; shared_parts)."""
     runs = []
     for i, s in enumerate(samples):
-        run = runs[-1] if runs else None
-        prompt = samples[run[0]]["prompt_ids"] if run else None
-        joins = shared is not False and prompt == s["prompt_ids"]
-        if joins and shared is not True:
-            joined = sum(response_len(samples[k]) for k in run)
-            joins = (share_pays(len(prompt), response_len(s), joined, shared)
-                     and len(prompt) + joined + response_len(s) <= SDPA_SHARED_MAX)
-        if joins:
-            run.append(i)
+        if runs and samples[runs[-1][0]]["prompt_ids"] == s["prompt_ids"]:
+            runs[-1].append(i)
         else:
             runs.append([i])
-    return runs
+    if shared is True:
+        return runs
+    return [[i] for run in runs for i in run] if shared is False else shared_parts(samples, runs, shared)
+
+
+def shared_parts(samples, runs, beta):
+    """sdpa's rule (the comment above SDPA_SHARED_MAX) on a micro-batch's runs: each run cut into consecutive parts
+    of at most `cap` positions, for the cap whose T (beta + L) is least (the smaller on a tie): the longest copy of
+    a prompt and its response (the rows keep their length), or a run's whole length, up to SDPA_SHARED_MAX."""
+    P = {r[0]: len(samples[r[0]]["prompt_ids"]) for r in runs}
+    n = [response_len(s) for s in samples]
+
+    def cut(cap):
+        parts, sizes = [], []
+        for run in runs:
+            for i in run:
+                if i == run[0] or sizes[-1] + n[i] > cap:
+                    parts.append([])
+                    sizes.append(P[run[0]])
+                parts[-1].append(i)
+                sizes[-1] += n[i]
+        return sum(sizes) * (beta + max(sizes)), parts
+    copies = max(P[r[0]] + n[i] for r in runs for i in r)
+    caps = {copies} | {min(P[r[0]] + sum(n[i] for i in r), SDPA_SHARED_MAX) for r in runs}
+    return min((cut(cap) for cap in sorted(c for c in caps if c >= copies)), key=lambda x: x[0])[1]
 
 
 def collate(samples, pad_id, device, one_row=False, shared=False):
@@ -1529,11 +1547,12 @@ def collate(samples, pad_id, device, one_row=False, shared=False):
 
 
 def pack_by_tokens(samples, budget, shared=False):
-    """Micro-batches of at most `budget` real tokens (prompts + responses; shared: a prompt once per run of
-    its group, prompt_runs): packed rows compute nothing else but row tails. A run over the budget is cut
-    into parts that fit, each with its own copy of the prompt; a sequence over it stands alone."""
+    """Micro-batches of at most `budget` real tokens (prompts + responses; shared is True: a prompt once per run
+    of its group, prompt_runs; else a copy per response, which sdpa's rule, deciding in each micro-batch, only
+    lowers): packed rows compute nothing else but row tails. A run over the budget is cut into parts that fit,
+    each with its own copy of the prompt; a sequence over it stands alone."""
     parts, cost = [], []
-    for run in prompt_runs(samples, shared):
+    for run in prompt_runs(samples, shared is True):
         for i in run:
             if i == run[0] or cost[-1] + samples[i]["len"] > budget:
                 parts.append([])

@@ -239,11 +239,13 @@ HOST_GB_PER_RANK = 4
 # A run on a CPU (the laptop preset): one machine's memory for every rank it runs. Besides the tensors the plan
 # counts, each rank's process holds torch, transformers and vLLM with its engine, and each reward worker sympy and
 # the checker (CPU_PROCESS_GB, REWARD_WORKER_GB: RSS measured on dapo.py's processes, tools/memwatch.py); and what
-# glibc's allocator keeps of the update's freed memory (CPU_FRAGMENTATION of the micro-batch's activations). A run
-# plans to use at most CPU_HEADROOM of the machine's memory (MemTotal), leaving the rest to the system.
+# glibc's allocator keeps of the memory the update frees, which the next micro-batch and vLLM's next generation do
+# not reuse in full: CPU_KEPT times one micro-batch's activations (fitted to the peak of all processes of
+# tools/bench_prefix.py's long-response shape: docs/throughput.md). A run plans to use at most CPU_HEADROOM of the
+# machine's memory (MemTotal), leaving the rest to the system.
 CPU_PROCESS_GB = 1.5
 REWARD_WORKER_GB = 0.2
-CPU_FRAGMENTATION = 0.25
+CPU_KEPT = 1.1
 CPU_HEADROOM = 0.75
 
 
@@ -262,14 +264,14 @@ def cpu_plan(cfg, shape, layout, world=1):
     process = (CPU_PROCESS_GB + cfg.reward_workers * REWARD_WORKER_GB) * GB
     vllm = b * t["params"] + cfg.cpu_kv_cache_gb * 2**30
     transient = t["gathered"] + t["activations"] + t["kv_copy"]
-    training = t["training"] + CPU_FRAGMENTATION * transient
+    training = t["training"] + CPU_KEPT * transient
     peak = world * (process + vllm + max(training, t["stepping"]))
     rows = [(f"processes: {world} x (torch, vLLM, {cfg.reward_workers} reward workers)", world * process),
             (f"vLLM: weights and {cfg.cpu_kv_cache_gb:g} GiB of KV cache", world * vllm),
             ("fp32 parameters, gradients, AdamW (m, v)", world * (t["resident"] + t["gradients"])),
             (f"activations + logits, {t['tokens']} tokens/micro-batch" + (" (with sdpa's shared masks)" if t["masks"]
                                                                           else ""), world * t["activations"]),
-            ("allocator's kept memory, 1/4 of the activations", world * CPU_FRAGMENTATION * transient),
+            (f"what the allocator keeps, {CPU_KEPT:g} x the activations", world * CPU_KEPT * transient),
             ("AdamW's step temporary", world * t["adamw_temporary"]), ("peak", peak)]
     return rows, peak
 

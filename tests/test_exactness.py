@@ -219,14 +219,14 @@ def test_shared_prompts_in_bf16_stay_within_bf16s_own_rounding():
 
 def test_shared_prefix_by_default_shares_where_it_pays():
     """--shared-prefix resolved for the attention and the model (sharing): flex attention's block mask always
-    forwards a group's prompt once; under sdpa's dense mask a response joins its group's shared sequence while
-    that costs less than a copy of the prompt (share_pays, in attention pairs; beta: the decoder's FLOPs of one
-    position over one pair's), and no shared sequence passes SDPA_SHARED_MAX positions. On the project's shapes:
-    bench_step's short prompts and long responses go plain, the demo's, the showcase's and the ladder's share
-    whole groups, the carry task and a long-response laptop shape share in parts. The flags force either way;
-    flash attention never shares. A part of a run never shares less than the whole did (so a micro-batch cut
-    by --micro-batch-tokens forwards no more tokens than pack_by_tokens counted)."""
-    import random
+    forwards a group's prompt once; under sdpa, whose dense mask makes a micro-batch cost about T (beta + L) (T
+    positions, L the row length: the longest sequence; beta the decoder's FLOPs of one position over one
+    attention pair's), each micro-batch's groups share in parts of the cap that costs least (shared_parts): the
+    longest copy, or a group's whole length, never past SDPA_SHARED_MAX. On the project's shapes, one group a
+    micro-batch: bench_step's short prompts and long responses, the carry task's and a long-response laptop
+    shape stay copies; the demo's, the showcase's and the ladder's groups share whole. The flags force either way;
+    flash attention never shares. --micro-batch-tokens counts a copy per response unless sharing is forced, so
+    the rule, deciding in each micro-batch, never takes one over its budget."""
     from transformers import LlamaConfig, Qwen2Config
     demo = Qwen2Config(hidden_size=128, intermediate_size=512, num_attention_heads=2, num_key_value_heads=2,
                        head_dim=64)   # the built-in model
@@ -243,32 +243,35 @@ def test_shared_prefix_by_default_shares_where_it_pays():
     def parts(prompt_len, lens, share):
         return [len(r) for r in dapo.prompt_runs([{"prompt_ids": [1] * prompt_len, "len": n} for n in lens], share)]
     shapes = {"bench_step": (8, [117] * 8, "demo", [1] * 8), "demo": (12, [6] * 8, "demo", [8]),
-              "carry": (15, [50] * 8, "demo", [4, 4]), "showcase": (92, [6] * 8, "smol", [8]),
-              "ladder": (147, [30] * 8, "smol", [8]), "long responses": (173, [512] * 8, "smol", [2, 2, 2, 2])}
+              "carry": (15, [50] * 8, "demo", [1] * 8), "showcase": (92, [6] * 8, "smol", [8]),
+              "ladder": (147, [30] * 8, "smol", [8]), "long responses": (173, [512] * 8, "smol", [1] * 8)}
     for name, (P, lens, model, want) in shapes.items():
         got = parts(P, lens, beta[model])
         print(f"{name}: a prompt of {P}, responses of {lens[0]}: forwarded as {got}")
         assert got == want, name
         assert parts(P, lens, True) == [8] and parts(P, lens, False) == [1] * 8
-    assert parts(100, [300] * 8, 1e12) == [6, 2]   # paying, but 100 + 7 x 300 > SDPA_SHARED_MAX = 2048
+    assert parts(100, [300] * 8, 1e12) == [6, 2]   # positions alone count, but 100 + 7 x 300 > SDPA_SHARED_MAX
+    assert parts(8, [100, 5, 5, 5, 100, 100, 100, 100], 1024) == [1, 3, 1, 1, 1, 1]   # within the longest copy: free
+    import random
     rng = random.Random(0)
-    for _ in range(200):   # a contiguous part of a run: no more cuts than the whole had within it
-        P, lens = rng.randint(1, 200), [rng.randint(1, 600) for _ in range(rng.randint(2, 16))]
-        whole = dapo.prompt_runs([{"prompt_ids": [1] * P, "len": n} for n in lens], beta["smol"])
-        a = rng.randrange(len(lens))
-        b = rng.randint(a + 1, len(lens))
-        part = dapo.prompt_runs([{"prompt_ids": [1] * P, "len": n} for n in lens[a:b]], beta["smol"])
-        within = {next(k for k, r in enumerate(whole) if i in r) for i in range(a, b)}
-        assert len(part) <= len(within), (P, lens, a, b)
+    samples = []
+    for g in range(12):   # groups of 8, prompts of 2-200 tokens, responses of 1-300
+        prompt = [g] * rng.randint(2, 200)
+        samples += [{"prompt_ids": prompt, "response_ids": [7] * n, "len": n} for n in
+                    (rng.randint(1, 300) for _ in range(8))]
+    for mb in dapo.pack_by_tokens(samples, 1500, beta["smol"]):
+        assert sum(len(mb[r[0]]["prompt_ids"]) + sum(mb[i]["len"] for i in r)
+                   for r in dapo.prompt_runs(mb, beta["smol"])) <= max(1500, len(mb[0]["prompt_ids"]) + mb[0]["len"])
 
 
 def test_a_micro_batch_mixing_shared_and_plain_groups_gives_the_plain_gradient():
     """sdpa's rule on one micro-batch: a group of short responses after a long prompt shares it whole, a group
-    of long responses after a 2-token prompt goes plain, a third shares it in two parts; the log-probs,
-    entropies and gradient equal those of a copy of the prompt per response, in rows and in one row."""
+    of long responses after a 2-token prompt goes plain, a third shares it in two parts (within the longest
+    copy, 72 positions); the log-probs, entropies and gradient equal those of a copy of the prompt per response,
+    in rows and in one row."""
     model = _tiny_causal_lm("qwen2")
     beta = dapo.sharing(dapo.Config(), model.config)
-    samples = _grouped_samples(((20, [3, 4, 5, 2]), (2, [40, 45, 50]), (12, [60, 60, 60])))
+    samples = _grouped_samples(((20, [3, 4, 5, 2]), (2, [40, 45, 50]), (12, [20, 20, 60])))
     runs = dapo.prompt_runs(samples, beta)
     assert [len(r) for r in runs] == [4, 1, 1, 1, 2, 1], runs
     plain = _logprobs_and_grads(model, samples, shared=False)
@@ -279,7 +282,7 @@ def test_a_micro_batch_mixing_shared_and_plain_groups_gives_the_plain_gradient()
               f"difference {logp:.1e}, gradient {grad:.1e} of the largest entry")
         assert logp < 1e-5 and grad < GRAD_RTOL
         assert (mixed[1] - plain[1])[plain[3]["mask"].bool()].abs().max() < 1e-5   # the entropies
-        assert (mixed[3]["segment"] > 0).sum() == 20 + 14 + 2 * 3 + 135 + 12 * 2 + 180
+        assert (mixed[3]["segment"] > 0).sum() == 20 + 14 + 2 * 3 + 135 + 12 * 2 + 100
 
 
 def test_trainer_ranks_cut_a_mini_batch_into_consecutive_shares_of_equal_load(monkeypatch):

@@ -5,6 +5,9 @@
     python tools/bench_step.py --precision fp32 bf16 --tis-cap 2   # both precisions, side by side, one run
     python tools/bench_step.py --no-shared-prefix # a copy of the prompt per response in the update (--shared-prefix:
                                                   # each group's prompt once; neither: where it pays, the default)
+    python tools/bench_step.py --ways default plain shared   # the update each way on the same samples, one process
+    python tools/bench_step.py --ways default plain --model $(python tools/real_model.py) \
+        --train-data data/chain/train.jsonl --prompts 8 --max-response-len 64 --num-mini-batches 4  # the ladder's
 
 A random-init tiny Qwen2 (the demo's shape, vocabulary 128, fp32): EOS is one token in 128, so
 responses average ~110 tokens at a maximum of 256, ragged as DAPO's are. Dynamic sampling off,
@@ -12,8 +15,14 @@ one gradient update per rollout step (--num-mini-batches 1), the demo's micro-ba
 sequences) unless --micro-batch-tokens is given. Prints the medians over --steps steps after
 --warmup steps: generation, reward, update, sync, the whole step, and the update per real
 (prompt + response) token. It calls dapo.py's own functions, so it measures the code that trains.
+--ways times the update once per way (--shared-prefix resolved: default, shared, plain) on copies of each
+step's samples, in an order that turns each step, so that the machine's drift falls on every way alike, and
+prints each way's median and its ratio to plain's. --model and --train-data replace the tiny model and the
+built-in task (dapo.py's presets for the model apply: the laptop preset for tools/real_model.py's).
 """
 import argparse
+import copy
+import dataclasses
 import os
 import statistics
 import sys
@@ -44,23 +53,37 @@ def main():
     p.add_argument("--shared-prefix", action=argparse.BooleanOptionalAction, default=None,
                    help="dapo.py's --shared-prefix (a group's prompt forwarded once in the update); neither flag: "
                         "dapo.py's default, where it pays")
+    p.add_argument("--ways", nargs="+", default=[], choices=list(WAYS),
+                   help="time the update each way on the same samples, in one process, in an order turning each step")
+    p.add_argument("--model", default="", help="a model directory instead of the random tiny Qwen2")
+    p.add_argument("--train-data", default="", help="with --model: its data file instead of the built-in task")
+    p.add_argument("--num-mini-batches", type=int, default=1)
     a = p.parse_args()
     if len(a.precision) > 1:
         return side_by_side(a)
     from transformers import AutoTokenizer
-    path = os.path.join(tempfile.mkdtemp(prefix="bench_step_"), "model")
-    # the demo's tokenizer, widened to 128 tokens: EOS is one token in 128
-    model, tok = demo_model.tiny_qwen2(demo_model.DEMO_TOKENS, vocab=128, max_len=16 + a.max_response_len, fill=True)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    cfg = dapo.Config(model=path, prompts_per_step=a.prompts, group_size=a.group_size, gen_batch_size=a.prompts,
-                      dynamic_sampling=False, max_prompt_len=16, max_response_len=a.max_response_len,
-                      overlong_cache_len=a.max_response_len // 4, num_mini_batches=1,
-                      micro_batch_size=a.micro_batch_size, micro_batch_tokens=a.micro_batch_tokens, lr=1e-6,
-                      warmup_steps=1, precision=a.precision[0], tis_cap=a.tis_cap, shared_prefix=a.shared_prefix)
+    path = a.model or os.path.join(tempfile.mkdtemp(prefix="bench_step_"), "model")
+    if a.model:  # dapo.py's presets for it apply (the laptop preset for tools/real_model.py's), as dapo.py runs it
+        flags = ["--model", a.model, "--prompts-per-step", str(a.prompts), "--group-size", str(a.group_size),
+                 "--gen-batch-size", str(a.prompts), "--no-dynamic-sampling", "--max-response-len",
+                 str(a.max_response_len), "--overlong-cache-len", str(a.max_response_len // 4), "--num-mini-batches",
+                 str(a.num_mini_batches), "--train-data", a.train_data]
+        cfg = dapo.parse_config(flags + (["--tis-cap", str(a.tis_cap)] if a.tis_cap else [])
+                                + (["--max-sync-diff", "0"] if a.ways else []))  # a way after the first: π_θ moved
+    else:
+        # the demo's tokenizer, widened to 128 tokens: EOS is one token in 128
+        model, tok = demo_model.tiny_qwen2(demo_model.DEMO_TOKENS, vocab=128, max_len=16 + a.max_response_len,
+                                           fill=True)
+        model.save_pretrained(path)
+        tok.save_pretrained(path)
+        cfg = dapo.Config(model=path, prompts_per_step=a.prompts, group_size=a.group_size, gen_batch_size=a.prompts,
+                          dynamic_sampling=False, max_prompt_len=16, max_response_len=a.max_response_len,
+                          overlong_cache_len=a.max_response_len // 4, num_mini_batches=a.num_mini_batches,
+                          micro_batch_size=a.micro_batch_size, micro_batch_tokens=a.micro_batch_tokens, lr=1e-6,
+                          warmup_steps=1, precision=a.precision[0], tis_cap=a.tis_cap, shared_prefix=a.shared_prefix)
     device = dapo.init_distributed()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    rows, _ = demo_model.demo_task(cfg.seed)
+    rows = dapo.load_data(cfg.train_data, cfg.dedup, False) if a.train_data else demo_model.demo_task(cfg.seed)[0]
     prompt_ids = dapo.encode_prompts(tokenizer, [r["prompt"] for r in rows])
     llm = dapo.start_engine(cfg, path, device)
     torch.manual_seed(cfg.seed)
@@ -83,10 +106,17 @@ def main():
         for s, r, adv in zip(samples, rewards.tolist(), dapo.group_advantages(rewards, cfg.group_size).tolist()):
             s.update(reward=r, adv=adv)
         dapo.overlong_filtering(samples, cfg)
-        dapo.distribute(samples, cfg, run.share)
+        ways, turn = {}, step % max(1, len(a.ways))
         t1 = time.perf_counter()
-        m = dapo.update_policy(run, samples, step)
+        for way in a.ways[turn:] + a.ways[:turn]:  # each step another way first
+            ways[way] = update_one_way(run, cfg, copy.deepcopy(samples), step, way)
+        if not a.ways:
+            dapo.distribute(samples, cfg, run.share)
+            m = dapo.update_policy(run, samples, step)
         t2 = time.perf_counter()
+        if a.ways:  # the step's update: the first way's
+            update, m = ways[a.ways[0]]
+            t1 = t2 - update
         dapo.sync_weights(model, llm)
         t3 = time.perf_counter()
         lens = [s["len"] for s in samples]
@@ -94,7 +124,9 @@ def main():
         r = {"generation": t["time/rollout"], "reward": t["time/reward"], "update": t2 - t1, "sync": t3 - t2,
              "step": t3 - t0, "update_per_token": (t2 - t1) / tokens,
              "mean_len": sum(lens) / len(samples), "tokens": tokens,
-             **{k: m[k] for k in m if k.startswith(("sync/logp", "mismatch/", "tis/"))}}
+             **{k: m[k] for k in m if k.startswith(("sync/logp", "mismatch/", "tis/"))},
+             **{f"update ({w})": s for w, (s, _) in ways.items()},
+             **{f"tokens forwarded ({w})": mw["update/tokens"] for w, (_, mw) in ways.items()}}
         dapo.print0(f"step {step}{' (warm-up)' if step < a.warmup else ''}: " +
                     "  ".join(f"{k} {v * 1e3:.0f} ms" for k, v in r.items() if k in ("generation", "update", "step")) +
                     f"  mean response {r['mean_len']:.1f}")
@@ -105,9 +137,28 @@ def main():
                 f"mean response {med['mean_len']:.1f}, {med['tokens']:.0f} real tokens per step):")
     for k in ("generation", "reward", "update", "sync", "step"):
         dapo.print0(f"  {k:<11} {med[k] * 1e3:8.0f} ms")
+    for w in a.ways:
+        ratio = f" ({med[f'update ({w})'] / med['update (plain)']:.2f}x plain's)" if "plain" in a.ways else ""
+        dapo.print0(f"  update ({w}) {med[f'update ({w})'] * 1e3:8.0f} ms{ratio}, "
+                    f"{med[f'tokens forwarded ({w})']:,.0f} tokens forwarded")
     dapo.print0(f"  update per real token {med['update_per_token'] * 1e6:8.1f} us")
     for k in sorted(k for k in med if "/" in k):
         dapo.print0(f"  {k:<24} {med[k]:.3g}")
+
+
+WAYS = {"default": None, "shared": True, "plain": False}  # --shared-prefix: neither flag, given, --no-
+
+
+def update_one_way(run, cfg, samples, step, way):
+    """update_policy on these samples with --shared-prefix as `way` (WAYS): (its seconds, its metrics)."""
+    run.cfg = dataclasses.replace(cfg, shared_prefix=WAYS[way])
+    run.share = dapo.sharing(run.cfg, run.model.config)
+    dapo.distribute(samples, run.cfg, run.share)
+    t = time.perf_counter()
+    m = dapo.update_policy(run, samples, step)
+    seconds = time.perf_counter() - t
+    run.cfg, run.share = cfg, dapo.sharing(cfg, run.model.config)
+    return seconds, m
 
 
 def side_by_side(a):
