@@ -352,7 +352,9 @@ def device_name():
 def parse_args(argv=None):
     """gpu_check's own flags, and the rest: dapo.py's."""
     p = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
-    p.add_argument("--model", required=True, help="a Hugging Face model directory or hub name")
+    p.add_argument("--trainer-only", action="store_true",
+                   help="the trainer's half alone, without vLLM: tools/trainer_check.py, which takes the other flags")
+    p.add_argument("--model", help="a Hugging Face model directory or hub name (required without --trainer-only)")
     p.add_argument("--steps", type=int, default=3,
                    help="rollout steps (>= 3): the first STEPS - 1 saved (the 2nd follows a sleep/wake cycle on "
                         "CUDA), then one resumed")
@@ -369,6 +371,15 @@ def parse_args(argv=None):
 
 def main(argv=None):
     a, rest = parse_args(argv)
+    if a.trainer_only:  # no vLLM imported on this path; trainer_check's own flags are the rest
+        if a.model:
+            raise dapo.DapoError("gpu_check --trainer-only builds the README's models itself: drop --model "
+                                 "(--models 1.5b,7b,tiny chooses them)")
+        import trainer_check
+        gc.enable()  # no vLLM start-up to spare a collection (see the end of this file)
+        return trainer_check.main(rest)
+    if not a.model:
+        raise dapo.DapoError("gpu_check: --model is required (a model directory), or --trainer-only")
     steps, full = max(3, a.steps), bool(a.max_prompt_len or a.max_response_len)
     prompt_len, response_len = lengths(a.model, a.max_prompt_len, a.max_response_len)
     ws = int(os.environ.get("WORLD_SIZE", "1"))
@@ -446,14 +457,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    if "--trainer-only" in sys.argv:  # the trainer's half alone, no vLLM: tools/trainer_check.py
-        sys.argv.remove("--trainer-only")
-        import trainer_check
-        try:
-            sys.exit(trainer_check.main())
-        except dapo.DapoError as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            sys.exit(2)
     gc.disable()  # as dapo.py's own start and end: set_up turns it back on once vLLM is up
     try:
         code = main()
