@@ -1063,8 +1063,9 @@ def cpu_layout(cfg, share):
     stubs = [{"prompt_ids": [g] * P, "len": R} for g in range(-(-n // G) + 1) for _ in range(G)]
     mb = (max(pack_by_tokens(stubs, cfg.micro_batch_tokens, share), key=len) if cfg.micro_batch_tokens
           else stubs[:cfg.micro_batch_size])
-    lens = [P + R * len(run) for run in prompt_runs(mb, share)]
-    return sum(lens), max(lens), [n for n, run in zip(lens, prompt_runs(mb, share)) if len(run) > 1]
+    runs = prompt_runs(mb, share)
+    lens = [P + R * len(run) for run in runs]
+    return sum(lens), max(lens), [n for n, run in zip(lens, runs) if len(run) > 1]
 
 
 def fit_host_memory(cfg, config, ranks):
@@ -1075,7 +1076,8 @@ def fit_host_memory(cfg, config, ranks):
     shape, share = plan.model_shape(cfg.model), sharing(cfg, config)
     limit = plan.CPU_HEADROOM * plan.machine_gb() * 1e9
     need = lambda c: plan.cpu_plan(c, shape, cpu_layout(c, share), ranks)[1]  # noqa: E731
-    if need(cfg) <= limit:
+    needed = need(cfg)
+    if needed <= limit:
         return
     seq = cfg.max_prompt_len + cfg.max_response_len
     top = plan.micro_batch_tokens(cfg) // seq
@@ -1084,7 +1086,7 @@ def fit_host_memory(cfg, config, ranks):
     fit = next((o for o in options if need(dataclasses.replace(cfg, **o)) <= limit), None)
     preset = (cfg.micro_batch_size, cfg.micro_batch_tokens, cfg.grad_checkpointing) == (LAPTOP["micro_batch_size"], 0,
                                                                                          False)
-    said = (f"{need(cfg) / 1e9:.1f} GB by the plan, over {limit / 1e9:.1f} GB ({plan.CPU_HEADROOM:.0%} of this "
+    said = (f"{needed / 1e9:.1f} GB by the plan, over {limit / 1e9:.1f} GB ({plan.CPU_HEADROOM:.0%} of this "
             f"machine's {plan.machine_gb():.1f} GB; python tools/plan.py --plan-cpu with the same flags)")
     if fit and preset:
         print0(f"note: micro-batches of {cfg.micro_batch_size} sequences of up to {seq} tokens would need {said}: "

@@ -150,13 +150,12 @@ def trainer_bytes(cfg, shape, world, device="cuda", layout=None):
     tokens, longest, shared = layout or (micro_batch_tokens(cfg), seq, ())
     out["tokens"] = tokens
     cuda = device == "cuda"
-    out["activations"] = acts = activation_bytes(shape, tokens, b, cfg.grad_checkpointing, cfg.logprob_chunk, longest,
-                                                 flash=cuda)
-    out["masks"] = sum(n * n for n in shared) * b * L  # sdpa's dense masks of shared sequences, saved per layer
-    acts = out["activations"] = acts + out["masks"]
+    acts = activation_bytes(shape, tokens, b, cfg.grad_checkpointing, cfg.logprob_chunk, longest, flash=cuda)
     flex = cuda and (cfg.attn_impl or "flex_attention") == "flex_attention" and nh & (nh - 1) != 0
     out["kv_copy"] = (activation_bytes(shape, tokens, b, cfg.grad_checkpointing, cfg.logprob_chunk, seq, flash=cuda,
                                        kv_copy=True) - acts) if flex else 0  # 0 where the head's chunks peak higher
+    out["masks"] = sum(n * n for n in shared) * b * L  # sdpa's dense masks of shared sequences, saved per layer
+    acts = out["activations"] = acts + out["masks"]
     out["fragmentation"] = FRAGMENTATION * (out["gathered"] + acts + out["kv_copy"])
     out["resident"] = out["parameters"] + out["adamw"] + out["reference"]  # held from loading to the end
     out["training"] = out["resident"] + out["gradients"] + out["gathered"] + acts + out["kv_copy"]  # allocated

@@ -16,7 +16,7 @@ sequences) unless --micro-batch-tokens is given. Prints the medians over --steps
 --warmup steps: generation, reward, update, sync, the whole step, and the update per real
 (prompt + response) token. It calls dapo.py's own functions, so it measures the code that trains.
 --ways times the update once per way (--shared-prefix resolved: default, shared, plain) on copies of each
-step's samples, in an order that turns each step, so that the machine's drift falls on every way alike, and
+step's samples, step k starting with way k mod (the number of ways), so that no way always runs first, and
 prints each way's median and its ratio to plain's. --model and --train-data replace the tiny model and the
 built-in task (dapo.py's presets for the model apply: the laptop preset for tools/real_model.py's).
 """
@@ -54,7 +54,7 @@ def main():
                    help="dapo.py's --shared-prefix (a group's prompt forwarded once in the update); neither flag: "
                         "dapo.py's default, where it pays")
     p.add_argument("--ways", nargs="+", default=[], choices=list(WAYS),
-                   help="time the update each way on the same samples, in one process, in an order turning each step")
+                   help="time the update each way on the same samples, in one process, step k starting with way k mod their number")
     p.add_argument("--model", default="", help="a model directory instead of the random tiny Qwen2")
     p.add_argument("--train-data", default="", help="with --model: its data file instead of the built-in task")
     p.add_argument("--num-mini-batches", type=int, default=1)
