@@ -5,6 +5,7 @@ The plan is a worst case: every sequence at its maximum length. Its callers pass
 the config (the GPU, the nodes, the export's bytes per parameter); it needs no GPU, weights or data.
 """
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -60,6 +61,15 @@ VLLM_ACTIVATIONS_GB = 2.0
 # found 15% on average and up to 33% of reserved memory lost to fragmentation in fine-tuning eight LLMs with
 # recomputation, ZeRO and LoRA on A100s of 80 GB.
 FRAGMENTATION = 1 / 3
+# What the trainer allocates beyond the tensors counted one by one, on a GPU: cuBLAS's and cuBLASLt's workspaces
+# (torch takes them from its caching allocator: 32 MiB each per handle on Hopper, CUDABlas.cpp
+# getChosenWorkspaceSize, and forward and backward run on two threads, two handles), RoPE's inv_freq and its
+# cos/sin tables, the loss's scalars, AdamW's step counts.
+OTHER_GB = 0.5
+# The caching allocator's rounding of AdamW's temporary, one tensor per parameter tensor: a request between 1 and
+# 10 MB takes a 2 MiB-rounded segment that is not split (CUDACachingAllocator.cpp: kRoundLarge, kSmallSize), so up
+# to 1 MiB of waste a tensor on average; smaller ones round to 512 bytes.
+ROUNDING_PER_TENSOR = 2**20
 
 # Shapes for planning when the model's config is not on disk (hidden, layers, heads, kv heads,
 # intermediate, vocab, tied embeddings), from the Qwen2.5 base models' config.json files.
@@ -124,6 +134,11 @@ def micro_batch_tokens(cfg):
     return max(cfg.micro_batch_tokens, seq) if cfg.micro_batch_tokens else cfg.micro_batch_size * seq
 
 
+def compute_bytes(cfg, device):
+    """Bytes of the compute dtype: bf16 on a GPU by default or under --precision bf16, fp32 otherwise."""
+    return 4 if cfg.precision == "fp32" else 2 if device == "cuda" or cfg.precision == "bf16" else 4
+
+
 def trainer_bytes(cfg, shape, world, device="cuda", layout=None):
     """What the trainer holds on one of `world` ranks, term by term (bytes), as memory_plan counts it and as
     tools/trainer_check.py sets it beside what a GPU measures: the sharded states (fp32 parameters, AdamW's m
@@ -137,19 +152,24 @@ def trainer_bytes(cfg, shape, world, device="cuda", layout=None):
     h, L, nh, kv, i, V, tied, hd = shape
     per_layer = h * h * 2 + 2 * h * kv * hd + h + 2 * kv * hd + 3 * h * i + 2 * h
     P = V * h * (1 if tied else 2) + L * per_layer + h
-    b = 2 if device == "cuda" or cfg.precision == "bf16" else 4  # the compute dtype: bf16 on GPU by default
+    b = compute_bytes(cfg, device)
     on_gpu = 0 if cfg.cpu_offload else 1
     A = lora_params(shape, cfg.lora_rank)       # --lora-rank: only the adapters have gradients and AdamW state
     T = A if cfg.lora_rank else P               # the trained parameters
     out = {"params": P, "adapters": A, "parameters": 4 * (P + A) / world * on_gpu, "gradients": 4 * T / world * on_gpu,
            "adamw": 8 * T / world * on_gpu, "reference": b * P / world * on_gpu if cfg.kl_coef and not cfg.lora_rank else 0,
            "adamw_temporary": 4 * T / world * on_gpu}
+    # parameter tensors: q, k, v (and their biases), o, gate, up, down and two norms a layer; embedding, final norm
+    # and an untied head (with --lora-rank: two adapters for each of a layer's 7 matrices)
+    out["tensors"] = 14 * L if cfg.lora_rank else 12 * L + 2 + (0 if tied else 1)
+    cuda = device == "cuda"
+    out["rounding"] = ROUNDING_PER_TENSOR * out["tensors"] * on_gpu if cuda else 0
+    out["other"] = OTHER_GB * GB if cuda else 0
     unit = max(h * h * 2 + 2 * h * kv * hd + 3 * h * i, V * h * (1 if tied else 2))  # a layer, or the root
     out["gathered"] = 2 * unit * b              # FSDP all-gathers one unit (and prefetches the next)
     seq = cfg.max_prompt_len + cfg.max_response_len
     tokens, longest, shared = layout or (micro_batch_tokens(cfg), seq, ())
     out["tokens"] = tokens
-    cuda = device == "cuda"
     acts = activation_bytes(shape, tokens, b, cfg.grad_checkpointing, cfg.logprob_chunk, longest, flash=cuda)
     flex = cuda and (cfg.attn_impl or "flex_attention") == "flex_attention" and nh & (nh - 1) != 0
     out["kv_copy"] = (activation_bytes(shape, tokens, b, cfg.grad_checkpointing, cfg.logprob_chunk, seq, flash=cuda,
@@ -158,8 +178,9 @@ def trainer_bytes(cfg, shape, world, device="cuda", layout=None):
     acts = out["activations"] = acts + out["masks"]
     out["fragmentation"] = FRAGMENTATION * (out["gathered"] + acts + out["kv_copy"])
     out["resident"] = out["parameters"] + out["adamw"] + out["reference"]  # held from loading to the end
-    out["training"] = out["resident"] + out["gradients"] + out["gathered"] + acts + out["kv_copy"]  # allocated
-    out["stepping"] = out["resident"] + out["gradients"] + out["adamw_temporary"]  # allocated during opt.step()
+    out["training"] = out["resident"] + out["gradients"] + out["gathered"] + acts + out["kv_copy"] + out["other"]
+    out["stepping"] = (out["resident"] + out["gradients"] + out["adamw_temporary"] + out["rounding"]  # opt.step()
+                       + out["other"])
     return out
 
 
@@ -176,7 +197,7 @@ def memory_plan(cfg, shape, nodes, gpus_per_node, gpu_gb, device="cuda", weight_
     W = nodes * gpus_per_node
     t = trainer_bytes(cfg, shape, W, device)
     P, A, tokens, kv_copy = t["params"], t["adapters"], t["tokens"], t["kv_copy"]
-    b = 2 if device == "cuda" else 4
+    b = compute_bytes(cfg, device)
     states = {"sharded fp32 parameters" + (" (base + adapters)" if A else ""): t["parameters"],
               "sharded fp32 gradients": t["gradients"], "sharded AdamW state (m, v)": t["adamw"]}
     if t["reference"]:  # the frozen reference (with LoRA: the policy, adapters off), sharded
@@ -207,6 +228,8 @@ def memory_plan(cfg, shape, nodes, gpus_per_node, gpu_gb, device="cuda", weight_
     rows += [
         ("fragmentation, 1/3 of gathered + " + ("acts + KV copy" if kv_copy else "activations"), t["fragmentation"]),
         ("AdamW's step temporary (an fp32 shard)", t["adamw_temporary"]),
+        ("the allocator's rounding of it, 1 MiB a tensor", t["rounding"]),
+        ("other allocations (cuBLAS workspaces, RoPE tables)", t["other"]),
         (f"vLLM weights (bf16, TP {cfg.tp_size})", vllm_weights), ("vLLM KV cache", kv_cache),
         ("vLLM asleep: CUDA-graph pool, buffers" if cfg.vllm_sleep else "vLLM awake while training (--no-vllm-sleep)",
          asleep),
@@ -248,9 +271,26 @@ CPU_KEPT = 1.1
 CPU_HEADROOM = 0.75
 
 
+# Where a container's memory limit is set (cgroup v2, then v1), at the hierarchy's root and at this process's own
+# cgroup (/proc/self/cgroup): a run over it is killed, not refused
+CGROUP_LIMITS = ("/sys/fs/cgroup{}/memory.max", "/sys/fs/cgroup/memory{}/memory.limit_in_bytes")
+
+
 def machine_gb():
-    """The machine's memory, GB (MemTotal): the same on every run, unlike what is free."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
+    """The machine's memory, GB (MemTotal), or a cgroup's limit where one is set lower: the same on every run,
+    unlike what is free."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    own = {"": "", "memory": ""}  # this process's cgroup: v2's line "0::/path", v1's memory controller's
+    with contextlib.suppress(OSError):
+        for line in open("/proc/self/cgroup"):
+            _, controllers, path = line.strip().split(":", 2)
+            if controllers in own:
+                own[controllers] = path.rstrip("/")
+    for pattern, mine in zip(CGROUP_LIMITS, own.values()):
+        for path in {pattern.format(""), pattern.format(mine)}:
+            with contextlib.suppress(OSError, ValueError):  # absent, or "max": no limit
+                total = min(total, int(open(path).read().strip()))
+    return total / GB
 
 
 def cpu_plan(cfg, shape, layout, world=1):

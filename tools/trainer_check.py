@@ -7,28 +7,36 @@ step, on the README's models built from their published configurations with rand
     torchrun --nproc_per_node=8 tools/trainer_check.py --models 7b   # the README's 8-GPU layout, 28 layers
     python tools/trainer_check.py --models tiny                      # the built-in model's shape: what a CPU runs
 
-Four checks, printed as one table and written as JSON (--json):
+It prints its own time estimate first, then each row as it is measured, and rewrites the JSON (--json) after each
+row, so a check stopped midway leaves every row measured so far. The checks:
+- compiles: flex attention's compiled graphs over micro-batches of several lengths and kinds (plain, shared, the
+  2-token padding micro-batch; with and without gradients) against load_policy's limit, and the first compile's
+  time. The lengths fall in few buckets (BUCKETS), so block masks do not recompile for every layout;
 - shared prompt = copies: a 512-token prompt and 8 responses of 1k-4k tokens in one row, each prompt forwarded
-  once under the block mask (flex attention on CUDA), against a copy of the prompt per response: log-probs and
-  every parameter's gradient, in fp32 (within SHARED_FP32) and in bf16 (within twice what bf16 itself moves the
-  plain path from fp32, plus 1e-3 nats: tests/test_exactness.py's bound);
+  once under the block mask (flex attention on CUDA), against a copy of the prompt per response: log-probs, and
+  the gradient of each parameter tensor against that tensor's own largest entry (q, k and v projections in rows of
+  their own, the rest in one), in fp32 (within SHARED_FP32) and in bf16 under the trainer's FSDP2 mixed
+  precision (within twice what bf16 itself moves the plain path from fp32, plus 1e-3 nats);
+- kernels: flex attention against sdpa on CUDA (sdpa against eager on a CPU), plain and shared rows, lengths sdpa
+  holds and one under 128 (flex's short path), log-probs and each tensor's gradient, fp32;
 - memory against the plan: one micro-batch at the run's maximum length (the README's 1-GPU command under the
   cuda preset: 2,048 + 4,096 tokens; Qwen2.5-7B's width at 2,048 + 20,480), then AdamW's step: torch's peak
-  allocated and reserved beside lib/plan.py's figures for those phases (trainer_bytes), with the ratio;
+  allocated and reserved beside lib/plan.py's figures for those phases (trainer_bytes, which names the allowance
+  it carries), the ratio inside a band on both sides (MEMORY_BAND); AdamW's row is what the step adds over what
+  was allocated before it, against the plan's temporary. Each model is measured alone: nothing of the one before
+  is reachable, and allocated memory is back to its baseline (asserted);
 - speed: that micro-batch's forward and backward (its second run, compiled), tokens/s and model FLOP
-  utilisation: 6 x the matmul parameters x tokens (the head on response tokens only) + causal attention's
-  6 x 2 x layers x heads x head_dim x Σ(positions attended), recomputation not counted, over the GPU's dense
-  bf16 peak (PEAK_TFLOPS, by its name);
-- compiles: flex attention's compiled graphs over micro-batches of several lengths and kinds (plain, shared,
-  the 2-token padding micro-batch; with and without gradients) against load_policy's limit, and the first
-  compile's time.
-Qwen2.5-7B's width takes as many of its 28 layers as the plan fits in 80% of this GPU (all 28 over 8 ranks).
-Without CUDA it runs the built-in model's shape under sdpa (torch has no flex backward on a CPU) and names what
-it skips. Under torchrun every rank runs the same micro-batches; rank 0 prints the largest value of any rank.
+  utilisation: the time its FLOPs take at their own precision's peak (the decoder's bf16, the fp32 head's TF32;
+  PEAK_TFLOPS, by the GPU's exact name) over the measured time, against a floor it names (SPEED_FLOOR).
+Qwen2.5-7B's width takes as many of its 28 layers as the plan fits in 80% of this GPU (all 28 over 8 ranks), the
+count agreed by every rank. Without CUDA it runs the built-in model's shape under sdpa (torch has no flex backward
+on a CPU) and names what it skips. Under torchrun every rank runs the same micro-batches; rank 0 prints the
+largest value of any rank.
 """
 
 import argparse
 import contextlib
+import gc
 import importlib.metadata as md
 import json
 import os
@@ -36,6 +44,7 @@ import sys
 import tempfile
 import time
 import types
+import weakref
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # dapo.py's checkout
 import torch  # noqa: E402
@@ -43,13 +52,40 @@ import torch  # noqa: E402
 import dapo  # noqa: E402
 from lib import dist, plan  # noqa: E402
 
-# fp32's bound on shared - plain: rounding over sums of ~20k terms (2^-24 each) stays near 1e-5; a wrong mask
-# moves log-probs by tenths of a nat (tests/test_exactness.py::test_a_wrong_shared_prompt_mask_fails_the_check)
+# fp32's bound on shared - plain, log-probs (nats) and each tensor's gradient over its own largest entry: rounding
+# over sums of ~20k terms (2^-24 each) stays near 1e-5 of the entry; a wrong mask moves log-probs by tenths of a
+# nat (tests/test_exactness.py::test_a_wrong_shared_prompt_mask_fails_the_check)
 SHARED_FP32 = 1e-4
-# Dense bf16 peak, TFLOPs, by the device's name (NVIDIA's data sheets, without sparsity)
-PEAK_TFLOPS = {"H200": 989.0, "H100 SXM": 989.0, "H100 80GB HBM3": 989.0, "H100 NVL": 835.0, "H100 PCIe": 756.0,
-               "H100": 756.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
+# The gradient rows: a tensor's group by its name (the q, k, v projections, whose gradients are ~4e-4 of the
+# largest entry of the model at 1.5B: a bound over all tensors would pass a 25% error in them), the rest together
+GRAD_GROUPS = ("q_proj", "k_proj", "v_proj")
+# Dense peaks, TFLOPs, by torch.cuda.get_device_name exactly (NVIDIA's data sheets, without sparsity): bf16 tensor
+# cores (the decoder), TF32 (the head under tf32_head), fp32 without tensor cores (--precision fp32)
+PEAK_TFLOPS = {"NVIDIA H100 80GB HBM3": (989.4, 494.7, 66.9), "NVIDIA H100 PCIe": (756.5, 378.0, 51.2),
+               "NVIDIA H100 NVL": (835.5, 417.5, 60.0), "NVIDIA H200": (989.4, 494.7, 66.9),
+               "NVIDIA H200 NVL": (835.5, 417.5, 60.0), "NVIDIA GH200 480GB": (989.4, 494.7, 66.9),
+               "NVIDIA A100-SXM4-80GB": (312.0, 156.0, 19.5), "NVIDIA A100-SXM4-40GB": (312.0, 156.0, 19.5),
+               "NVIDIA A100 80GB PCIe": (312.0, 156.0, 19.5), "NVIDIA A100-PCIE-40GB": (312.0, 156.0, 19.5),
+               "NVIDIA L40S": (362.1, 183.2, 91.6), "NVIDIA L40": (181.0, 90.5, 90.5),
+               "NVIDIA L4": (121.0, 60.0, 30.3), "NVIDIA A10": (125.0, 62.5, 31.2)}
+# The speed row's floor: prime-rl's published one-H100 trainer figure (Qwen3-0.6B at 16k tokens: 11.9k tokens/s,
+# MFU 11.1%), halved: this micro-batch recomputes every layer (checkpointing: a third more work, not counted) and
+# runs alone (FSDP's gathers overlap nothing), where prime-rl's does neither
+SPEED_FLOOR = dict(mfu=0.111 / 2, source="prime-rl, 1 H100, Qwen3-0.6B, 16k tokens: MFU 11.1%, halved")
+# measured / plan, each memory row: the plan is a worst case with its allowance (plan.OTHER_GB), so a measurement
+# above it is the plan's error, and one far below it too (a plan twice too large refuses runs that fit). The
+# reserved row's lower bound allows the fragmentation the plan carries for a long run (plan.FRAGMENTATION) to be
+# absent from one micro-batch; AdamW's row is one fp32 shard of torch's foreach step, within its allowance.
+MEMORY_BAND = {"training, allocated": (0.75, 1.0), "training, reserved": (0.6, 1.0), "AdamW step, added": (0.8, 1.0)}
 PLAN_SHARE = 0.8  # Qwen2.5-7B's width: the most layers whose planned trainer peak fits this share of the GPU
+# Row lengths the check's micro-batches take, in multiples of flex's 128-position blocks: few distinct shapes, so
+# few block-mask and flex compiles (torch.compile(create_block_mask) can take minutes at some lengths:
+# pytorch/pytorch#182060)
+BUCKETS = (2048, 6144, 22528)
+# What the estimate assumes, not measured on a GPU: one flex graph's compile with its block mask (seconds), one model
+# built from its config (seconds), and the share of the bf16 peak a micro-batch reaches. The check aims at 8 minutes
+# on an 80 GB GPU (tests/test_gpu.py holds the default run's estimate to it)
+COMPILE_S, BUILD_S, EST_MFU = 20.0, 10.0, 0.25
 # The published configurations' values beyond lib/plan.py's shapes (Qwen2.5 base models' config.json)
 QWEN25 = dict(rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=32768, hidden_act="silu",
               use_sliding_window=False, attention_dropout=0.0, initializer_range=0.02)
@@ -58,10 +94,19 @@ README = {"1.5b": ("Qwen2.5-1.5B", ["--max-response-len", "4096", "--overlong-ca
                                     "--prompts-per-step", "64", "--group-size", "8", "--gen-batch-size", "96"]),
           "7b": ("Qwen2.5-7B", ["--tp-size", "2"]),   # the defaults: 2,048 + 20,480 tokens
           "tiny": ("", ["--max-prompt-len", "16", "--max-response-len", "48"])}
+# The micro-batches: the exactness check's group (prompt, responses: one row of 22,528 positions with copies), the
+# kernels' (shared and plain rows, one of them under 128 positions), and the compile check's (prompt, responses)
+EXACT = {"tiny": (12, [5, 9, 17, 30, 44, 8, 21, 3]), "gpu": (512, [1024 + 439 * k for k in range(7)] + [1024 + 2979])}
+KERNELS = {"tiny": [(12, [5, 9, 30]), (40, [50])], "gpu": [(256, [128, 384, 1024, 256]), (40, [50])]}
+COMPILES = [(2048, [4096]), (2048, [900]), (300, [800, 1200, 4144]), (1, [1]), (2048, [2500]),
+            (512, [1024, 1024, 3000, 2608]), (44, [6100]), (1, [1])]
 
 
 # -----------------------------------------------------------------------------------------
 # Models from configurations, random weights
+
+ALIVE = []  # a weak reference to each model built: each model is measured alone (alone, below)
+
 
 def model_dir(name, layers=None, root=None):
     """A directory holding the config.json of a Qwen2.5 model (lib/plan.py's KNOWN_MODELS shapes, the published
@@ -82,6 +127,7 @@ def random_policy(cfg, path, device, seed=0):
     checkpointing), then random weights drawn on each rank's shard: normal(0, 0.02), norms 1, biases 0. Two
     calls with the same seed and world give the same weights (one generator, the same order of draws)."""
     model = dapo.load_policy(cfg, path, device, weights=False)
+    ALIVE.append(weakref.ref(model))
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -95,16 +141,35 @@ def random_policy(cfg, path, device, seed=0):
     return model
 
 
-def config_for(key, path, device, precision=None):
+def config_for(key, path, device, precision=None, attn=None):
     """The README command's Config for this model directory, with the presets a run on this device gets (on CUDA:
-    the cuda preset, one max-length sequence a micro-batch, checkpointing); precision overrides."""
+    the cuda preset, one max-length sequence a micro-batch, checkpointing); precision, attn override."""
     name, flags = README[key]
-    more = ["--precision", precision] if precision else []
+    more = (["--precision", precision] if precision else []) + (["--attn-impl", attn] if attn else [])
     return dapo.parse_config(["--model", path, *flags, *more], cuda=device.type == "cuda")
 
 
+@contextlib.contextmanager
+def alone(device):
+    """Run a model's checks with nothing of the models before alive: on leaving, every model built inside is
+    unreachable and, on CUDA, torch's allocated memory is back where it was on entering."""
+    gc.collect()
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    yield
+    gc.collect()
+    left = [r() for r in ALIVE if r() is not None]
+    if left:
+        raise RuntimeError(f"trainer_check: {len(left)} model(s) still reachable after their check: a later "
+                           f"model's memory would be measured with them alive")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        now = torch.cuda.memory_allocated(device)
+        if now > base + 2**20:
+            raise RuntimeError(f"trainer_check: {(now - base) / 1e9:.2f} GB still allocated after a model's check")
+
+
 # -----------------------------------------------------------------------------------------
-# The exactness check (tests/test_exactness.py and tests/test_gpu.py run it too)
+# The exactness checks (tests/test_exactness.py and tests/test_gpu.py run them too)
 
 def group(prompt_len, response_lens, vocab, seed=1):
     """One group: a random prompt and responses of the given lengths (random tokens)."""
@@ -129,25 +194,62 @@ def logprobs_and_grads(model, samples, shared, one_row=False, device="cpu", chun
     return lp.detach().float(), ent.detach().float(), grads, batch
 
 
+def _all_max(values):
+    """The largest of each value over every rank."""
+    t = torch.tensor(values, dtype=torch.float64)
+    if torch.distributed.is_initialized():
+        t = t.to(dapo.compute_device())
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return t.cpu().tolist()
+
+
 def shared_gaps(a, b):
-    """(the largest |log-prob| difference, the largest gradient difference over the largest gradient entry) of
-    logprobs_and_grads' a against b, the largest over every rank."""
+    """(the largest |log-prob| difference, the largest gradient difference over the largest gradient entry of all
+    tensors) of logprobs_and_grads' a against b, the largest over every rank. The gradient figure is dominated by
+    the largest tensors: grad_gaps gives each tensor's against its own scale."""
     mask = b[3]["mask"].bool()
     logp = (a[0] - b[0])[mask].abs().max().item()
     diff = max((a[2][k] - b[2][k]).abs().max().item() for k in b[2])
     scale = max(b[2][k].abs().max().item() for k in b[2])
-    t = torch.tensor([logp, diff, scale], dtype=torch.float64)
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return t[0].item(), t[1].item() / max(t[2].item(), 1e-30)
+    logp, diff, scale = _all_max([logp, diff, scale])
+    return logp, diff / max(scale, 1e-30)
 
 
-def check_shared(key, device, root):
-    """shared prompt = copies, fp32 and bf16, on one row (the GPU's layout); rows for the table."""
-    tiny = key == "tiny"
+def grad_gaps(a, b):
+    """Each tensor's largest gradient difference over its own largest entry (over every rank's shard), worst by
+    group: {"q_proj": ..., "k_proj": ..., "v_proj": ..., "other": ...} (GRAD_GROUPS), with the tensor it was."""
+    names = sorted(b[2])
+    diff = _all_max([(a[2][k] - b[2][k]).abs().max().item() if b[2][k].numel() else 0.0 for k in names])
+    scale = _all_max([b[2][k].abs().max().item() if b[2][k].numel() else 0.0 for k in names])
+    out = {}
+    for k, d, s in zip(names, diff, scale):
+        kind = next((g for g in GRAD_GROUPS if g in k), "other")
+        gap = d / s if s > 0 else (0.0 if d == 0 else float("inf"))
+        if gap >= out.get(kind, (-1.0, ""))[0]:
+            out[kind] = (gap, k)
+    return out
+
+
+def gap_rows(what, a, b, bound_logp, bound_grad, noise=None):
+    """The exactness rows of a against b: the log-probs, then each gradient group against its bound (a number, or a
+    dict by group: bf16's own noise)."""
+    logp = _all_max([(a[0] - b[0])[b[3]["mask"].bool()].abs().max().item()])[0]
+    rows = [row("exact", f"{what}: log-probs", f"{logp:.1e} nats", f"< {bound_logp:.1e}", logp < bound_logp,
+                logp=logp, bound=bound_logp)]
+    for kind, (gap, name) in grad_gaps(a, b).items():
+        bound = bound_grad[kind] if isinstance(bound_grad, dict) else bound_grad
+        rows.append(row("exact", f"{what}: gradient, {kind}", f"{gap:.1e} of its largest entry ({name})",
+                        f"< {bound:.1e}" + (" (2 x bf16's own)" if noise else ""), gap < bound, grad=gap,
+                        tensor=name, bound=bound, group=kind))
+    return rows
+
+
+def check_shared(key, device, root, emit):
+    """shared prompt = copies, fp32 and bf16 (the trainer's FSDP2 mixed precision), in one row (the GPU's
+    layout)."""
     path = model_dir(README[key][0], root=root)
-    prompt, lens = (12, [5, 9, 17, 30, 44, 8, 21, 3]) if tiny else (512, [1024 + 439 * k for k in range(8)])
-    rows, out = [], {}
+    prompt, lens = EXACT["tiny" if key == "tiny" else "gpu"]
+    out = {}
     for precision in ("fp32", "bf16"):
         cfg = config_for(key, path, device, precision)
         model = random_policy(cfg, path, device)
@@ -155,99 +257,152 @@ def check_shared(key, device, root):
         with dapo.tf32_head(device, cfg):
             out[precision] = {shared: logprobs_and_grads(model, samples, shared, True, device) for shared in (False, True)}
         del model
-        free(device)
-    fp32_gap = shared_gaps(out["fp32"][True], out["fp32"][False])
-    noise = shared_gaps(out["bf16"][False], out["fp32"][False])
-    bf16_gap = shared_gaps(out["bf16"][True], out["bf16"][False])
+        gc.collect()
     kind = dapo.attention(cfg)
     what = f"shared prompt = copies, {kind}, {README[key][0] or 'tiny'}, {prompt} + {len(lens)} x {min(lens)}-{max(lens)}"
-    rows.append(row("exact", what + ", fp32", f"log-prob {fp32_gap[0]:.1e} nats, gradient {fp32_gap[1]:.1e}",
-                    f"both < {SHARED_FP32:g}", max(fp32_gap) < SHARED_FP32, logp=fp32_gap[0], grad=fp32_gap[1]))
-    bound = (2 * noise[0] + 1e-3, 2 * noise[1])
-    rows.append(row("exact", what + ", bf16", f"log-prob {bf16_gap[0]:.1e} nats, gradient {bf16_gap[1]:.1e}",
-                    f"< 2 x bf16's own ({noise[0]:.1e}, {noise[1]:.1e}) + 1e-3 nats",
-                    bf16_gap[0] <= bound[0] and bf16_gap[1] <= bound[1], logp=bf16_gap[0], grad=bf16_gap[1],
-                    noise_logp=noise[0], noise_grad=noise[1]))
+    for r in gap_rows(what + ", fp32", out["fp32"][True], out["fp32"][False], SHARED_FP32, SHARED_FP32):
+        emit(r)
+    noise = grad_gaps(out["bf16"][False], out["fp32"][False])
+    noise_logp = _all_max([(out["bf16"][False][0] - out["fp32"][False][0])[out["fp32"][False][3]["mask"].bool()]
+                           .abs().max().item()])[0]
+    for r in gap_rows(what + ", bf16", out["bf16"][True], out["bf16"][False], 2 * noise_logp + 1e-3,
+                      {k: 2 * v[0] for k, v in noise.items()}, noise=True):
+        emit(r)
     if device.type != "cuda":
-        rows.append(row("exact", "shared prompt = copies under flex attention (the CUDA default), with gradients",
-                        "-", "skipped: torch has no flex backward on a CPU", None))
-    return rows
+        emit(row("exact", "shared prompt = copies under flex attention (the CUDA default), with gradients",
+                 "-", "skipped: torch has no flex backward on a CPU", None))
+
+
+def check_kernels(key, device, root, emit):
+    """The trainer's attention kernel against another, in fp32, log-probs and each tensor's gradient: flex against
+    sdpa on CUDA (plain and shared rows), sdpa against eager on a CPU (plain rows: eager takes no shared mask)."""
+    cuda = device.type == "cuda"
+    a, b = ("flex_attention", "sdpa") if cuda else ("sdpa", "eager")
+    path = model_dir(README[key][0], 2 if key != "tiny" else None, root)   # two layers: the kernels, not depth
+    got = {}
+    for attn in (a, b):
+        cfg = config_for(key, path, device, "fp32", attn)
+        model = random_policy(cfg, path, device)
+        vocab = model.config.vocab_size
+        got[attn] = [logprobs_and_grads(model, group(p, lens, vocab), shared, dapo.packs_one_row(cfg), device)
+                     for p, lens in KERNELS["tiny" if key == "tiny" else "gpu"] for shared in ((False, True) if cuda
+                                                                                               else (False,))]
+        del model
+        gc.collect()
+    lengths = [p + sum(lens) for p, lens in KERNELS["tiny" if key == "tiny" else "gpu"]]
+    for n, (x, y) in enumerate(zip(got[a], got[b])):
+        layout = "shared" if cuda and n % 2 else "plain"
+        what = f"{a} = {b}, {README[key][0] or 'tiny'} (2 layers), {layout}, {lengths[n // (2 if cuda else 1)]} " \
+               f"positions, fp32"
+        for r in gap_rows(what, x, y, SHARED_FP32, SHARED_FP32):
+            r["check"] = "kernels"
+            emit(r)
+    if not cuda:
+        emit(row("kernels", "flex attention = sdpa, with gradients", "-", "skipped: torch has no flex backward on a "
+                 "CPU", None))
 
 
 # -----------------------------------------------------------------------------------------
 # Memory, speed and compiles, one micro-batch at the run's maximum length
 
-def free(device):
-    import gc
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def gpu_peaks(device, fn):
-    """fn(), and (peak allocated, peak reserved) in bytes while it ran (torch's allocator), the largest of any
-    rank; None on a CPU."""
+    """fn(), and (peak allocated, peak reserved, allocated before) in bytes while it ran (torch's allocator), the
+    largest of any rank; None on a CPU."""
     if device.type != "cuda":
         fn()
         return None
     torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     fn()
     torch.cuda.synchronize()
-    t = torch.tensor([torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()], dtype=torch.float64,
-                     device=device)
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return t[0].item(), t[1].item()
+    return tuple(_all_max([torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved(), before]))
 
 
-def layers_that_fit(key, device, world, root):
+def layers_that_fit(key, device, root):
     """The decoder layers of key's model that one GPU holds: all, or the most whose planned trainer peak (the larger
-    of a micro-batch's and AdamW's step) stays under PLAN_SHARE of what the GPU has free."""
+    of a micro-batch's and AdamW's step) stays under PLAN_SHARE of what the GPU has free; the fewest of any rank,
+    so that every rank builds the same model."""
     name = README[key][0]
     full = plan.model_shape(name)
     if device.type != "cuda":
         return full[1]
     free_bytes = torch.cuda.mem_get_info()[0]
     cfg = config_for(key, model_dir(name, 1, root), device)
-    for n in range(full[1], 0, -1):
-        t = plan.trainer_bytes(cfg, full[:1] + (n,) + full[2:], world)
-        if max(t["training"] + t["fragmentation"], t["stepping"]) <= PLAN_SHARE * free_bytes:
-            return n
-    return 0
+    n = next((n for n in range(full[1], 0, -1) if fits(plan.trainer_bytes(cfg, full[:1] + (n,) + full[2:],
+                                                                          dist.world()), PLAN_SHARE * free_bytes)), 0)
+    return int(-_all_max([-n])[0])
+
+
+def fits(t, room):
+    """Whether the plan's trainer (trainer_bytes) fits in room bytes: a micro-batch's peak, reserved, and AdamW's."""
+    return max(t["training"] + t["fragmentation"], t["stepping"]) <= room
 
 
 def model_flops(shape, samples):
-    """Model FLOPs of one forward and backward: 6 x the matmul parameters x tokens (the head on response tokens)
-    and causal attention, 6 x 2 x layers x heads x head_dim x the positions each token attends to."""
+    """(the decoder's, the head's) model FLOPs of one forward and backward: 6 x the matmul parameters x tokens (the
+    head on response tokens) and causal attention, 6 x 2 x layers x heads x head_dim x the positions each token
+    attends to."""
     h, L, nh, kv, i, V, tied, hd = shape
     per_token = L * (2 * h * nh * hd + 2 * h * kv * hd + 3 * h * i)
     tokens = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
     responses = sum(len(s["response_ids"]) for s in samples)
     attended = sum((len(s["prompt_ids"]) + len(s["response_ids"])) ** 2 / 2 for s in samples)
-    return 6 * per_token * tokens + 6 * V * h * responses + 6 * 2 * L * nh * hd * attended
+    return 6 * per_token * tokens + 6 * 2 * L * nh * hd * attended, 6 * V * h * responses
 
 
 def peak_tflops(device):
-    """The GPU's dense bf16 peak by its name, or None (a CPU, or a GPU not in PEAK_TFLOPS)."""
+    """The GPU's dense (bf16, TF32, fp32) peaks by its exact name, or None (a CPU, or a GPU not in PEAK_TFLOPS)."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    return PEAK_TFLOPS.get(torch.cuda.get_device_name(device))
 
 
-def check_step(key, device, root, world):
+def memory_rows(label, measured, planned, allowances, other):
+    """The memory rows: measured / plan for each of MEMORY_BAND's figures, inside its band (both sides); each plan
+    names the allowance it carries (allowances by row, else other)."""
+    rows = []
+    for k, (lo, hi) in MEMORY_BAND.items():
+        ratio = measured[k] / planned[k]
+        allowance = allowances.get(k, other)
+        rows.append(row("memory", f"{label}: {k}", f"{measured[k] / 1e9:.2f} GB",
+                        f"plan {planned[k] / 1e9:.2f} GB with its allowance {allowance / 1e9:.2f} GB; measured / "
+                        f"plan {ratio:.2f} in [{lo}, {hi}]", lo <= ratio <= hi, measured=measured[k],
+                        planned=planned[k], ratio=ratio, band=[lo, hi]))
+    return rows
+
+
+def speed_row(label, device, cfg, shape, samples, seconds, first):
+    """tokens/s and MFU (each part of the FLOPs at its own precision's peak) against SPEED_FLOOR."""
+    body, head = model_flops(shape, samples)
+    tokens = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
+    peaks = peak_tflops(device)
+    fp32 = cfg.precision == "fp32" or not (cfg.precision or device.type == "cuda")  # dapo.bf16 on this device
+    mfu = ((body / (peaks[2] if fp32 else peaks[0]) + head / (peaks[2] if fp32 else peaks[1])) / 1e12 / seconds
+           if peaks else None)
+    value = f"{tokens / seconds:,.0f} tokens/s, {(body + head) / seconds / 1e12:.1f} TFLOP/s" + (
+        f", MFU {mfu:.1%}" if mfu is not None else "")
+    why = ("a CPU has no floor" if device.type != "cuda" else
+           f"no peak known for {torch.cuda.get_device_name(device)!r} (PEAK_TFLOPS)")
+    limit = (f"MFU >= {SPEED_FLOOR['mfu']:.1%} ({SPEED_FLOOR['source']}); first run (compiling) {first:.1f} s, then "
+             f"{seconds:.2f} s") if mfu is not None else f"skipped: {why}; first run {first:.1f} s, then {seconds:.2f} s"
+    return row("speed", label, value, limit, None if mfu is None else mfu >= SPEED_FLOOR["mfu"],
+               tokens_per_s=tokens / seconds, tflops=(body + head) / seconds / 1e12, mfu=mfu, seconds=seconds,
+               first_seconds=first, head_flops=head, decoder_flops=body)
+
+
+def check_step(key, device, root, emit):
     """The training phase of key's README command: one max-length micro-batch through dapo.policy_gradient, then
     AdamW's step (made as set_up makes it), measured against lib/plan.py's trainer_bytes; its speed."""
-    name = README[key][0]
-    layers = layers_that_fit(key, device, world, root) if key == "7b" else None
-    path = model_dir(name, layers, root)
-    cfg = config_for(key, path, device)
-    shape = plan.model_shape(path)
+    name, world = README[key][0], dist.world()
+    layers = layers_that_fit(key, device, root) if key == "7b" else None
     what = f"{name or 'tiny'}" + (f" (its width, {layers} of {plan.model_shape(name)[1]} layers)"
                                    if layers and layers < plan.model_shape(name)[1] else "")
     if layers == 0:
-        return [row("memory", what, "-", "skipped: not one layer fits this GPU by the plan", None)]
+        return emit(row("memory", what, "-", "skipped: not one layer fits this GPU by the plan", None))
+    path = model_dir(name, layers, root)
+    cfg = config_for(key, path, device)
+    shape = plan.model_shape(path)
     model = random_policy(cfg, path, device)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-7, weight_decay=cfg.weight_decay)
     dapo.adamw_state_now(opt)
@@ -272,34 +427,18 @@ def check_step(key, device, root, world):
     seconds = time.perf_counter() - t0
     opt.zero_grad(set_to_none=True)
     t = plan.trainer_bytes(cfg, shape, world, device.type)
-    rows = []
-    tokens = P + R
     label = f"{what}, {P} + {R} tokens, {cfg.precision or ('bf16' if dapo.bf16(cfg) else 'fp32')}, " \
             f"checkpointing {'on' if cfg.grad_checkpointing else 'off'}, {world} rank(s)"
     if train_peak is None:
-        rows.append(row("memory", label, "-", "skipped: no CUDA (torch's allocator statistics)", None))
+        emit(row("memory", label, "-", "skipped: no CUDA (torch's allocator statistics)", None))
     else:
         planned = {"training, allocated": t["training"], "training, reserved": t["training"] + t["fragmentation"],
-                   "AdamW step, allocated": t["stepping"]}
+                   "AdamW step, added": t["adamw_temporary"] + t["rounding"]}
         measured = {"training, allocated": train_peak[0], "training, reserved": train_peak[1],
-                    "AdamW step, allocated": step_peak[0]}
-        for k in planned:
-            ratio = measured[k] / planned[k]
-            rows.append(row("memory", f"{label}: {k}", f"{measured[k] / 1e9:.2f} GB",
-                            f"plan {planned[k] / 1e9:.2f} GB (measured / plan {ratio:.2f}; at most 1)", ratio <= 1.0,
-                            measured=measured[k], planned=planned[k], ratio=ratio))
-    flops = model_flops(shape, [sample])
-    peak = peak_tflops(device)
-    mfu = flops / seconds / (peak * 1e12) if peak else None
-    rows.append(row("speed", label, f"{tokens / seconds:,.0f} tokens/s, {flops / seconds / 1e12:.1f} TFLOP/s"
-                    + (f", MFU {mfu:.1%}" if mfu is not None else ""),
-                    f"first run (compiling) {first:.1f} s, then {seconds:.2f} s" + ("" if peak else
-                                                                                   "; MFU: no peak known"),
-                    True, tokens_per_s=tokens / seconds, tflops=flops / seconds / 1e12, mfu=mfu, seconds=seconds,
-                    first_seconds=first))
-    del model, opt
-    free(device)
-    return rows
+                    "AdamW step, added": step_peak[0] - step_peak[2]}
+        for r in memory_rows(label, measured, planned, {"AdamW step, added": t["rounding"]}, t["other"]):
+            emit(r)
+    emit(speed_row(label, device, cfg, shape, [sample], seconds, first))
 
 
 def sync(device):
@@ -307,22 +446,20 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def check_compiles(key, device, root):
+def check_compiles(key, device, root, emit):
     """Flex attention's compiled graphs over micro-batches of several lengths and kinds, forward without and
     with gradients, as a run makes them; the first compile's time."""
     if device.type != "cuda":
-        return [row("compiles", "flex attention over several lengths", "-",
-                    "skipped: flex attention is CUDA's default (a CPU runs sdpa)", None)]
+        return emit(row("compiles", "flex attention over several lengths", "-",
+                        "skipped: flex attention is CUDA's default (a CPU runs sdpa)", None))
     from torch._dynamo.utils import counters
     path = model_dir(README[key][0], 2, root)   # two layers: the compiles do not depend on the depth
     cfg = config_for(key, path, device)
     model = random_policy(cfg, path, device)
     V = model.config.vocab_size
-    shapes = [(2048, [4096]), (2048, [900]), (300, [800, 1200, 4000]), (1, [1]), (2048, [2500]),
-              (512, [1024, 1024, 3000, 200]), (100, [6000]), (1, [1])]
     before, times = counters["stats"]["unique_graphs"], []
     with dapo.tf32_head(device, cfg):
-        for prompt, lens in shapes:
+        for prompt, lens in COMPILES:
             samples = group(prompt, lens, V)
             batch = dapo.collate(samples, 0, device, True, len(lens) > 1)
             t0 = time.perf_counter()
@@ -334,12 +471,43 @@ def check_compiles(key, device, root):
             model.zero_grad(set_to_none=True)
     n = counters["stats"]["unique_graphs"] - before
     limit = torch._dynamo.config.recompile_limit
-    del model
-    free(device)
-    return [row("compiles", f"flex attention, {len(shapes)} micro-batches (plain, shared, padding; with and "
-                f"without gradients)", f"{n} graphs; the first micro-batch {times[0]:.1f} s, the rest "
-                f"{sum(times[1:]):.1f} s", f"< {limit} (load_policy's limit)", n < limit, graphs=n,
-                first_seconds=times[0], seconds=times)]
+    emit(row("compiles", f"flex attention, {len(COMPILES)} micro-batches (plain, shared, padding; with and "
+             f"without gradients)", f"{n} graphs; the first micro-batch {times[0]:.1f} s, the rest "
+             f"{sum(times[1:]):.1f} s", f"< {limit} (load_policy's limit)", n < limit, graphs=n,
+             first_seconds=times[0], seconds=times))
+
+
+def estimate(keys, checks, device):
+    """The check's own time estimate, seconds, and what it counts: flex's compiles (a static graph, then a dynamic
+    one at the next length, for each dtype, grad mode and mask kind the checks run), the models built, and the
+    micro-batches' FLOPs at EST_MFU of the GPU's bf16 peak (its name unknown: an H100's)."""
+    if device.type != "cuda":
+        return 60.0, "the built-in model's shape on a CPU"
+    peak = (peak_tflops(device) or PEAK_TFLOPS["NVIDIA H100 80GB HBM3"])[0] * 1e12 * EST_MFU
+    flops, builds, kinds = 0.0, 0, set()
+    for key in keys:
+        shape = plan.model_shape(README[key][0])
+        cfg = config_for(key, model_dir("", None), device)
+        if "exact" in checks and key != "7b":
+            p, lens = EXACT["gpu"]
+            flops += 4 * sum(model_flops(shape, [{"prompt_ids": [0] * p, "response_ids": [0] * n}])[0] for n in lens)
+            builds += 2
+            kinds |= {(dtype, True, shared) for dtype in ("fp32", "bf16") for shared in (False, True)}
+        if "kernels" in checks and key != "7b":
+            builds += 2
+            kinds |= {("fp32", True, shared) for shared in (False, True)}
+        if "memory" in checks:
+            one = {"prompt_ids": [0] * cfg.max_prompt_len, "response_ids": [0] * cfg.max_response_len}
+            flops += 2 * sum(model_flops(shape, [one]))
+            builds += 1
+            kinds.add(("bf16", True, False))
+    if "compiles" in checks:
+        builds += 1
+        kinds |= {("bf16", grad, shared) for grad in (False, True) for shared in (False, True)}
+    graphs = 2 * len(kinds)
+    seconds = flops / peak + graphs * COMPILE_S + builds * BUILD_S
+    return seconds, (f"{graphs} flex compiles at ~{COMPILE_S:.0f} s, {builds} models built at ~{BUILD_S:.0f} s, "
+                     f"{flops / 1e15:.1f} PFLOP at {EST_MFU:.0%} of the peak")
 
 
 # -----------------------------------------------------------------------------------------
@@ -365,15 +533,34 @@ def _installed(dist_name):
         return False
 
 
+def verdict(r):
+    return "skipped" if r["ok"] is None else "PASS" if r["ok"] else "FAIL"
+
+
 def table(rows):
     """The rows as aligned lines (a cell over 70 characters sticks out), each ending in PASS, FAIL or skipped."""
     widths = [max((len(r[k]) for r in rows if len(r[k]) <= 70), default=0) for k in ("check", "what", "value", "limit")]
-    lines = []
-    for r in rows:
-        verdict = "skipped" if r["ok"] is None else "PASS" if r["ok"] else "FAIL"
-        cells = [f"{r[k]:<{w}}" for k, w in zip(("check", "what", "value", "limit"), widths)]
-        lines.append("  " + "  ".join(cells) + "  " + verdict)
-    return lines
+    return ["  " + "  ".join(f"{r[k]:<{w}}" for k, w in zip(("check", "what", "value", "limit"), widths)) + "  "
+            + verdict(r) for r in rows]
+
+
+def writer(path, head, device, v):
+    """emit(row): the row kept, printed on its own line at once and the JSON rewritten (rank 0), so that a check
+    stopped midway leaves every row measured so far. emit.rows: the rows."""
+    rows = []
+
+    def emit(r):
+        rows.append(r)
+        if dist.rank() != 0:
+            return
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump({"header": head, "device": gpu_name(device), "world": dist.world(), "versions": v,
+                       "rows": rows}, f, indent=1)
+        os.replace(path + ".tmp", path)
+        print(f"  {r['check']}  {r['what']}  {r['value']}  {r['limit']}  {verdict(r)}", flush=True)
+    emit.rows = rows
+    return emit
 
 
 def parse_args(argv=None):
@@ -381,10 +568,14 @@ def parse_args(argv=None):
     p.add_argument("--models", default="", help="comma-separated: 1.5b (the README's 1-GPU command), 7b (its 8-GPU "
                    "model: as many layers as fit), tiny (the built-in model's shape); default: 1.5b,7b on CUDA, tiny "
                    "on a CPU")
-    p.add_argument("--checks", default="exact,memory,compiles", help="comma-separated: exact, memory (memory and "
-                   "speed), compiles")
-    p.add_argument("--json", default="runs/trainer_check.json", help="where the table goes as JSON")
+    p.add_argument("--checks", default="exact,kernels,memory,compiles", help="comma-separated: exact, kernels, "
+                   "memory (memory and speed), compiles")
+    p.add_argument("--json", default="runs/trainer_check.json", help="where the table goes as JSON (rewritten after "
+                   "each row)")
     return p.parse_args(argv)
+
+
+CHECKS = ("exact", "kernels", "memory", "compiles")
 
 
 def main(argv=None):
@@ -392,39 +583,40 @@ def main(argv=None):
     device = dapo.init_distributed()
     cuda = device.type == "cuda"
     keys = [k for k in (a.models or ("1.5b,7b" if cuda else "tiny")).split(",") if k]
-    bad = [k for k in keys if k not in README] + [c for c in a.checks.split(",") if c not in ("exact", "memory",
-                                                                                              "compiles")]
+    checks = a.checks.split(",")
+    bad = [k for k in keys if k not in README] + [c for c in checks if c not in CHECKS]
     if bad:
         raise dapo.DapoError(f"trainer_check: unknown {', '.join(bad)}: --models takes 1.5b, 7b, tiny; --checks "
-                             f"exact, memory, compiles")
-    world, checks = dist.world(), a.checks.split(",")
+                             f"{', '.join(CHECKS)}")
     v = versions()
-    head = (f"trainer_check: {gpu_name(device)}, {world} rank(s); torch {v['torch']} (CUDA {v['cuda']}), "
+    head = (f"trainer_check: {gpu_name(device)}, {dist.world()} rank(s); torch {v['torch']} (CUDA {v['cuda']}), "
             f"transformers {v['transformers']}, vLLM {v['vllm'] or 'not installed'} (not imported: not needed here)")
     dist.print0(head)
-    rows = []
+    seconds, how = estimate(keys, checks, device)
+    dist.print0(f"trainer_check: estimated {seconds / 60:.1f} minutes ({how}); each row below as it is measured, "
+                f"the JSON rewritten after each: {a.json}")
+    emit = writer(a.json, head, device, v)
     with tempfile.TemporaryDirectory(prefix="trainer_check_") as root:
         if "compiles" in checks:   # first: the process has compiled nothing yet
-            rows += check_compiles(keys[0], device, root)
+            with alone(device):
+                check_compiles(keys[0], device, root, emit)
         for key in keys:
-            if "exact" in checks and key != "7b":   # the 7B width's exactness adds nothing the 1.5B's does not
-                rows += check_shared(key, device, root)
-            if "memory" in checks:
-                rows += check_step(key, device, root, world)
+            with alone(device):   # each model measured with nothing of the one before alive
+                if "exact" in checks and key != "7b":   # the 7B width's exactness adds nothing the 1.5B's does not
+                    check_shared(key, device, root, emit)
+                if "kernels" in checks and key != "7b":
+                    check_kernels(key, device, root, emit)
+                if "memory" in checks:
+                    check_step(key, device, root, emit)
+    rows = emit.rows
+    failed = any(r["ok"] is False for r in rows)
     if dist.rank() == 0:
         print("\n".join([""] + table(rows)))
-        failed = any(r["ok"] is False for r in rows)
-        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-        with open(a.json, "w") as f:
-            json.dump({"header": head, "device": gpu_name(device), "world": world, "versions": v, "rows": rows}, f,
-                      indent=1)
         print(f"trainer_check: {'FAIL' if failed else 'PASS'} (skipped checks named above); the table: {a.json}",
               flush=True)
-    failed = torch.tensor(float(any(r["ok"] is False for r in rows)))
     if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
         torch.distributed.destroy_process_group()
-    return int(failed.item())
+    return int(failed)
 
 
 def gpu_name(device):
