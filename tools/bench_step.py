@@ -91,9 +91,7 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     dapo.sync_weights(model, llm)
     sampler = dapo.Sampler(len(rows), cfg.seed)
-    run = types.SimpleNamespace(cfg=cfg, llm=llm, tokenizer=tokenizer, model=model, opt=opt, device=device,
-                                share=dapo.sharing(cfg, model.config),
-                                pad_id=tokenizer.pad_token_id, state={}, step=0)
+    run = bench_run(cfg, llm, tokenizer, model, opt, device)
     if a.seeds:
         return bench_seeds(a, cfg, llm, sampler, prompt_ids)
     rec = []
@@ -144,6 +142,14 @@ def main():
     dapo.print0(f"  update per real token {med['update_per_token'] * 1e6:8.1f} us")
     for k in sorted(k for k in med if "/" in k):
         dapo.print0(f"  {k:<24} {med[k]:.3g}")
+
+
+def bench_run(cfg, llm, tokenizer, model, opt, device):
+    """The run update_policy and sample_groups read, as dapo.py's set_up and steps_left make it (gpu: each phase's
+    GPU memory, which gpu_phase writes on CUDA)."""
+    return types.SimpleNamespace(cfg=cfg, llm=llm, tokenizer=tokenizer, model=model, opt=opt, device=device,
+                                 share=dapo.sharing(cfg, model.config), pad_id=tokenizer.pad_token_id, state={},
+                                 step=0, gpu={}, sleep=False, clock={})
 
 
 WAYS = {"default": None, "shared": True, "plain": False}  # --shared-prefix: neither flag, given, --no-

@@ -47,6 +47,9 @@ GAP_LIMIT = dapo.Config.max_sync_diff  # nats, mean |vLLM - trainer| log-prob (h
 MEMORY_LIMIT = 0.95  # of each GPU's memory, at the peak of any phase
 PHASES = {"generate": "sample_groups", "update": "update_policy", "sync": "push_weights",
           "save": "save_checkpoint", "resume": "load_checkpoint"}  # phase: the dapo.py function it times
+# dapo.py's own phases (gpu_phase, which resets torch's peaks at each boundary) -> this tool's: on CUDA their memory
+# is read where dapo.py records it, never by resetting the peaks inside a step (that would cut dapo.py's phases)
+DAPO_PHASES = {"generation": "generate", "old_logp": "update", "update": "update", "sync": "sync"}
 
 
 # -----------------------------------------------------------------------------------------
@@ -101,13 +104,18 @@ def instrument(phases, seen):
     """Wrap dapo's functions: each phase's time and peak memory (PHASES); each engine's CUDA graphs; a hash
     of the state each checkpoint saves and resume loads. (init_distributed, which set_up calls, keeps the
     process group this tool started: both runs and the report share it.)"""
+    cuda = torch.cuda.is_available()
+
     def timed(name, fn):
+        own = not (cuda and name in DAPO_PHASES.values())  # memory measured here (else by recorded, below)
+
         def wrapper(*a, **k):
-            seen["phase"], start, t = name, memory_at_start(), time.perf_counter()
+            seen["phase"], t = name, time.perf_counter()
+            start = memory_at_start() if own else None
             out = fn(*a, **k)
             ph = phases.setdefault(name, {})
             ph["seconds"] = ph.get("seconds", 0) + time.perf_counter() - t
-            for key, value in memory_peaks(start).items():
+            for key, value in (memory_peaks(start) if own else {}).items():
                 ph[key] = max(ph.get(key, 0), value)
             seen["phase"] = None
             return out
@@ -115,6 +123,17 @@ def instrument(phases, seen):
 
     for name, attr in PHASES.items():
         setattr(dapo, attr, timed(name, getattr(dapo, attr)))
+    phase_end = dapo.gpu_phase
+
+    def recorded(run, phase):  # each rank's memory of a dapo.py phase, as gpu_phase records it
+        phase_end(run, phase)
+        if phase and run.device.type == "cuda":
+            ph, g = phases.setdefault(DAPO_PHASES[phase], {}), run.gpu
+            total = torch.cuda.get_device_properties(run.device).total_memory / 1e9
+            for key, value in (("allocated", g[f"mem/{phase}_allocated_gb"]), ("reserved", g[f"mem/{phase}_reserved_gb"]),
+                               ("in_use", total - g[f"mem/{phase}_free_gb"]), ("pool", g[f"mem/{phase}_vllm_pool_gb"])):
+                ph[key] = max(ph.get(key, 0), value)
+    dapo.gpu_phase = recorded
     save, load, start_engine = dapo.save_checkpoint, dapo.load_checkpoint, dapo.start_engine
 
     def saved(run, step):
@@ -261,31 +280,41 @@ def memory_table(reports, cuda):
     return [head] + [("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths))).rstrip() for row in table]
 
 
-# Each phase dapo.py records in metrics.jsonl (gpu_phase) and the plan's peaks that bound it (lib/plan.py)
-PLAN_PHASES = {"generation": ("peak while generating",), "old_logp": ("peak while training",),
-               "update": ("peak while training", "peak while stepping AdamW"), "sync": ("peak while generating",)}
+# Each phase dapo.py records in metrics.jsonl (gpu_phase): what the plan gives the trainer in it (lib/plan.py's
+# trainer_bytes) and the plan's peaks of the whole GPU that bound it
+PLAN_PHASES = {"generation": (("resident",), ("peak while generating",)),
+               "old_logp": (("training",), ("peak while training",)),
+               "update": (("training", "stepping"), ("peak while training", "peak while stepping AdamW")),
+               "sync": (("resident",), ("peak while generating",))}
 
 
 def phases_beside_plan(rows, cfg, model, world, total_gb, cuda):
     """Rank 0's GPU memory in each phase of a step as dapo.py logs it (metrics.jsonl's mem/*, gpu_phase: the largest
-    over the steps), beside the plan's peak for that phase at this world's size and this GPU's memory."""
+    over the steps): torch's peak allocated and reserved count vLLM's pool (its weights and KV cache, asleep too:
+    vllm_pool_bytes), so the trainer's own is allocated less the pool, set beside the plan's trainer figure for the
+    phase; and the device's memory in use at the phase's end beside the plan's peak of the whole GPU."""
     if not cuda:
         return ["GPU memory per phase beside the plan (metrics.jsonl's mem/*): skipped, no GPU"]
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     _, v = plan.memory_plan(cfg, plan.model_shape(model), -(-world // per_node), per_node, total_gb)
-    lines = [f"GPU memory per phase, rank 0, GB (metrics.jsonl: torch's peak allocated / reserved, the device's in use "
-             f"at the phase's end) beside the plan's peak ({world} rank(s), {total_gb:.1f} GB GPUs):"]
-    for phase, keys in PLAN_PHASES.items():
+    lines = [f"GPU memory per phase, rank 0, GB (metrics.jsonl): torch's peak allocated / reserved, of which vLLM's "
+             f"pool; the trainer's (allocated - pool) beside the plan's trainer; the device's in use at the phase's "
+             f"end beside the plan's GPU peak ({world} rank(s), {total_gb:.1f} GB GPUs):"]
+    for phase, (trainer, peaks) in PLAN_PHASES.items():
         got = [r for r in rows if f"mem/{phase}_allocated_gb" in r]
         if not got:
             lines.append(f"  {phase:<10} not logged")
             continue
         alloc = max(r[f"mem/{phase}_allocated_gb"] for r in got)
         reserved = max(r[f"mem/{phase}_reserved_gb"] for r in got)
+        pool = max(r.get(f"mem/{phase}_vllm_pool_gb", 0.0) for r in got)
+        own = max(r[f"mem/{phase}_allocated_gb"] - r.get(f"mem/{phase}_vllm_pool_gb", 0.0) for r in got)
         in_use = total_gb - min(r[f"mem/{phase}_free_gb"] for r in got)
-        planned = max(v["peaks"][k] for k in keys) / 1e9
-        lines.append(f"  {phase:<10} {alloc:6.1f} / {reserved:6.1f} / {in_use:6.1f}   plan {planned:6.1f} "
-                     f"({' or '.join(k.replace('peak ', '') for k in keys)})")
+        mine = max(v["trainer"][k] for k in trainer) / 1e9
+        planned = max(v["peaks"][k] for k in peaks) / 1e9
+        lines.append(f"  {phase:<10} {alloc:6.1f} / {reserved:6.1f}, pool {pool:5.1f}   trainer {own:6.1f}  plan "
+                     f"{mine:6.1f} ({' or '.join(trainer)})   in use {in_use:6.1f}  plan {planned:6.1f} "
+                     f"({' or '.join(k.replace('peak ', '') for k in peaks)})")
     return lines
 
 
