@@ -1051,6 +1051,7 @@ def parse_config(argv=None, cls=Config, cuda=None):
         for k, v in preset.items():
             if k not in given:
                 setattr(cfg, k, v)
+    cfg.given = frozenset(given)  # the flags the user gave: fit_host_memory never changes them
     return cfg
 
 
@@ -1071,8 +1072,8 @@ def cpu_layout(cfg, share):
 def fit_host_memory(cfg, config, ranks):
     """On CPUs, plan this machine's memory (lib/plan.py's cpu_plan, `ranks` processes) before vLLM starts. Where the
     laptop preset's micro-batches of 16 sequences would not fit, micro-batches by tokens take their place (the most
-    that fit, then with gradient checkpointing), with a note; any other config that does not fit is refused in one
-    line naming flags that fit (--no-memory-check runs it anyway)."""
+    that fit, then with gradient checkpointing), with a note, unless the user gave one of those flags; any other
+    config that does not fit is refused in one line naming flags that fit (--no-memory-check runs it anyway)."""
     shape, share = plan.model_shape(cfg.model), sharing(cfg, config)
     limit = plan.CPU_HEADROOM * plan.machine_gb() * 1e9
     need = lambda c: plan.cpu_plan(c, shape, cpu_layout(c, share), ranks)[1]  # noqa: E731
@@ -1084,8 +1085,9 @@ def fit_host_memory(cfg, config, ranks):
     options = [dict(micro_batch_tokens=k * seq) for k in range(top, 0, -1)]
     options += [dict(o, grad_checkpointing=True) for o in options if not cfg.grad_checkpointing]
     fit = next((o for o in options if need(dataclasses.replace(cfg, **o)) <= limit), None)
-    preset = (cfg.micro_batch_size, cfg.micro_batch_tokens, cfg.grad_checkpointing) == (LAPTOP["micro_batch_size"], 0,
-                                                                                         False)
+    # the laptop preset's micro-batches, none of the three given (a Config made without parse_config: all given)
+    preset = "laptop" in dict(presets(cfg)) and not {"micro_batch_size", "micro_batch_tokens", "grad_checkpointing"} & \
+        getattr(cfg, "given", set(vars(cfg)))
     said = (f"{needed / 1e9:.1f} GB by the plan, over {limit / 1e9:.1f} GB ({plan.CPU_HEADROOM:.0%} of this "
             f"machine's {plan.machine_gb():.1f} GB; python tools/plan.py --plan-cpu with the same flags)")
     if fit and preset:
@@ -1380,8 +1382,8 @@ def push_weights(run):
 
 def gpu_phase(run, phase):
     """On CUDA, the memory of the phase that just ended into run.gpu (metrics.jsonl): torch's peak allocated and
-    reserved since it began and what the device has free now (mem_get_info: every process on it), GB; then the
-    peaks start again. None starts a step. The phases, as lib/plan.py's: generation (vLLM awake), old_logp
+    reserved since it began, what the device has free now (mem_get_info: every process on it), and how much of
+    torch's figures is vLLM's pool (vllm_pool_bytes), GB; then the peaks start again. None starts a step. The phases, as lib/plan.py's: generation (vLLM awake), old_logp
     (π_θold's pass, vLLM asleep), update (μ gradient steps and AdamW's), sync (vLLM woken, the weight push)."""
     if run.device.type != "cuda":
         return
@@ -1389,8 +1391,18 @@ def gpu_phase(run, phase):
     if phase:
         run.gpu.update({f"mem/{phase}_allocated_gb": torch.cuda.max_memory_allocated() / 1e9,
                         f"mem/{phase}_reserved_gb": torch.cuda.max_memory_reserved() / 1e9,
-                        f"mem/{phase}_free_gb": torch.cuda.mem_get_info()[0] / 1e9})
+                        f"mem/{phase}_free_gb": torch.cuda.mem_get_info()[0] / 1e9,
+                        f"mem/{phase}_vllm_pool_gb": vllm_pool_bytes() / 1e9})
     torch.cuda.reset_peak_memory_stats()
+
+
+def vllm_pool_bytes():
+    """What vLLM's sleep-mode allocator holds (its weights, KV cache), in bytes: it allocates through torch's
+    allocator (a MemPool, vllm/device_allocator/cumem.py), so torch's allocated and reserved figures count it,
+    asleep too (sleep unmaps the pages, not torch's blocks). 0 where vLLM made none."""
+    allocator = getattr(sys.modules.get("vllm.device_allocator.cumem"), "CuMemAllocator", None)
+    pool = getattr(allocator, "instance", None)
+    return sum(data.handle[1] for data in pool.pointer_to_data.values()) if pool else 0
 
 
 def sync_diff_stats(samples):
@@ -1435,28 +1447,75 @@ def first_fit_decreasing(lengths, cap):
 
 
 # --shared-prefix's rule under sdpa (the CPU default). sdpa packs a micro-batch's sequences into rows as long as the
-# longest and computes every (q, kv) pair of a row under its dense mask, so the update costs about T (beta + L): T
-# positions forwarded, L the row length, beta the decoder's FLOPs of one position in attention pairs (sharing). A
-# group's responses share their prompt in parts of at most `cap` positions, the cap that costs least: the longest
-# copy (rows no longer: only fewer positions) or a run's whole length, never past SDPA_SHARED_MAX (sdpa keeps each
-# shared sequence's (L, L) mask in every layer: 16 MiB a layer in fp32 at 2,048). Flex attention's block mask skips
-# what a response cannot see, so there a group's prompt always goes once.
+# longest and computes every (q, kv) pair of a row under its dense mask, so the update costs about
+# rows x L x (beta + L): L the row length, rows x L the positions computed (row tails included), beta the time of
+# one position through the decoder's matmuls in units of one attention pair's, timed on this machine for this
+# model (sdpa_beta). A group's responses share their prompt in parts of at most `cap` positions, the cap that
+# costs least: the longest copy (rows no longer: only fewer positions) or a run's whole length, never past
+# SDPA_SHARED_MAX (sdpa keeps each shared sequence's (L, L) mask in every layer: 16 MiB a layer in fp32 at 2,048).
+# Flex attention's block mask skips what a response cannot see, so there a group's prompt always goes once.
 SDPA_SHARED_MAX = 2048
+SDPA_BETA_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dapo",
+                               "sdpa_beta.json")
 
 
 def sharing(cfg, config):
     """--shared-prefix resolved for this run's attention and model (config: its transformers config), as
     prompt_runs takes it: True (each group's prompt once: flex attention, or --shared-prefix given), False (a copy
     per response: --no-shared-prefix, or shared_prefix_off), or under sdpa by default beta for the rule
-    (shared_parts): the FLOPs of one position in the decoder's matmuls over those of one attention pair."""
+    (shared_parts), measured for this model and precision on this machine (sdpa_beta)."""
     if cfg.shared_prefix is False or shared_prefix_off(cfg, config):
         return False
     if cfg.shared_prefix or attention(cfg) != "sdpa":
         return cfg.shared_prefix or attention(cfg) == "flex_attention"
-    h, nh, kv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    return sdpa_beta(config, bf16(cfg))
+
+
+def sdpa_beta(config, half):
+    """beta of sdpa's rule: one decoder layer of this model (in bf16 if half), forward and backward under dense
+    causal masks, timed on 2,048 positions as 16 rows of 128 and as one row of 2,048: the same positions, 16
+    times the (q, kv) pairs, so the two times give the cost of a position and of a pair (a second or two). Kept
+    in SDPA_BETA_CACHE by CPU, torch, threads, precision and shape: every run on this machine decides alike, and
+    the first to measure is the one kept."""
+    import platform
+    h, nh = config.hidden_size, config.num_attention_heads
     hd = getattr(config, "head_dim", None) or h // nh
-    matmuls = 2 * (2 * h * nh * hd + 2 * h * kv * hd + 3 * h * config.intermediate_size)  # q, o, k, v, the MLP
-    return matmuls / (4 * nh * hd)  # QKᵀ and PV: 4 x heads x head_dim FLOPs a (q, kv) pair
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
+    key = (f"{cpu}, torch {torch.__version__}, {torch.get_num_threads()} threads, {'bf16' if half else 'fp32'}, "
+           f"{config.model_type} {h}/{nh}/{config.num_key_value_heads}/{hd}/{config.intermediate_size}")
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        return json.load(open(SDPA_BETA_CACHE))[key]
+    from transformers import AutoModel
+    one = dict(config.to_dict(), num_hidden_layers=1, vocab_size=16, layer_types=None)
+    with torch.random.fork_rng(devices=[]):  # building a layer draws random weights: not from the run's stream
+        layer = AutoModel.from_config(type(config)(**one), attn_implementation="sdpa",
+                                      dtype=torch.bfloat16 if half else torch.float32)
+    seconds = {}
+    for rows, L in ((16, 128), (1, 2048), (16, 128), (1, 2048), (16, 128), (1, 2048)):  # alternated: the least
+        ids = torch.zeros(rows, L, dtype=torch.long)
+        mask = torch.ones(L, L, dtype=torch.bool).tril().expand(rows, 1, L, L)
+        t0 = time.perf_counter()
+        layer(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state.float().sum().backward()
+        seconds[rows] = min(seconds.get(rows, math.inf), time.perf_counter() - t0)
+    pair = (seconds[1] - seconds[16]) / (2048 ** 2 - 16 * 128 ** 2)
+    beta = (seconds[16] / 2048 - 128 * pair) / pair if pair > 0 else 0.0
+    if not 0 < beta < 1e6:  # timing noise swamped the pairs: the FLOPs' ratio instead
+        kv = config.num_key_value_heads
+        beta = 2 * (2 * h * nh * hd + 2 * h * kv * hd + 3 * h * config.intermediate_size) / (4 * nh * hd)
+    with contextlib.suppress(OSError, ValueError):
+        os.makedirs(os.path.dirname(SDPA_BETA_CACHE), exist_ok=True)
+        with open(SDPA_BETA_CACHE, "a+") as f:  # under a lock: two runs starting together keep one value
+            import fcntl
+            fcntl.flock(f, fcntl.LOCK_EX)
+            f.seek(0)
+            cache = json.loads(f.read() or "{}")
+            beta = cache.setdefault(key, beta)
+            f.seek(0)
+            f.truncate()
+            json.dump(cache, f, indent=1)
+    print0(f"sdpa's shared-prompt rule: beta {beta:.0f} for this model on this machine ({SDPA_BETA_CACHE})")
+    return beta
 
 
 def response_len(s):
@@ -1481,8 +1540,9 @@ def prompt_runs(samples, shared=True):
 
 def shared_parts(samples, runs, beta):
     """sdpa's rule (the comment above SDPA_SHARED_MAX) on a micro-batch's runs: each run cut into consecutive parts
-    of at most `cap` positions, for the cap whose T (beta + L) is least (the smaller on a tie): the longest copy of
-    a prompt and its response (the rows keep their length), or a run's whole length, up to SDPA_SHARED_MAX."""
+    of at most `cap` positions, for the cap whose rows x L x (beta + L) is least (the smaller on a tie): the
+    longest copy of a prompt and its response (the rows keep their length), or a run's whole length, up to
+    SDPA_SHARED_MAX."""
     P = {r[0]: len(samples[r[0]]["prompt_ids"]) for r in runs}
     n = [response_len(s) for s in samples]
 
@@ -1495,7 +1555,8 @@ def shared_parts(samples, runs, beta):
                     sizes.append(P[run[0]])
                 parts[-1].append(i)
                 sizes[-1] += n[i]
-        return sum(sizes) * (beta + max(sizes)), parts
+        L = max(sizes)
+        return len(first_fit_decreasing(sizes, L)) * L * (beta + L), parts  # collate's rows, tails included
     copies = max(P[r[0]] + n[i] for r in runs for i in r)
     caps = {copies} | {min(P[r[0]] + sum(n[i] for i in r), SDPA_SHARED_MAX) for r in runs}
     return min((cut(cap) for cap in sorted(c for c in caps if c >= copies)), key=lambda x: x[0])[1]
@@ -1549,19 +1610,23 @@ def collate(samples, pad_id, device, one_row=False, shared=False):
 
 
 def pack_by_tokens(samples, budget, shared=False):
-    """Micro-batches of at most `budget` real tokens (prompts + responses; shared is True: a prompt once per run
-    of its group, prompt_runs; else a copy per response, which sdpa's rule, deciding in each micro-batch, only
-    lowers): packed rows compute nothing else but row tails. A run over the budget is cut into parts that fit,
-    each with its own copy of the prompt; a sequence over it stands alone."""
+    """Micro-batches of at most `budget` real tokens (packed rows compute nothing else but row tails). With shared
+    True a prompt counts once per part of its group; under sdpa's rule (shared: beta) a copy per response, which
+    the rule, deciding in each micro-batch, only lowers. Either way a group's consecutive samples stay together,
+    cut into parts that fit, and each micro-batch keeps the samples' order, so that prompt_runs finds its groups
+    whole; with a copy per response (False) each sample is a part. A sequence over the budget stands alone."""
+    runs = prompt_runs(samples) if shared is not False else [[i] for i in range(len(samples))]
     parts, cost = [], []
-    for run in prompt_runs(samples, shared is True):
+    for run in runs:
+        P = len(samples[run[0]]["prompt_ids"])
         for i in run:
-            if i == run[0] or cost[-1] + samples[i]["len"] > budget:
+            add = samples[i]["len"] + (0 if shared is True else P)
+            if i == run[0] or cost[-1] + add > budget:
                 parts.append([])
-                cost.append(len(samples[i]["prompt_ids"]))
+                cost.append(P if shared is True else 0)
             parts[-1].append(i)
-            cost[-1] += samples[i]["len"]
-    return [[samples[i] for k in b for i in parts[k]] for b in first_fit_decreasing(cost, budget)]
+            cost[-1] += add
+    return [[samples[i] for k in sorted(b) for i in parts[k]] for b in first_fit_decreasing(cost, budget)]
 
 
 def micro_batches(samples, cfg, share):

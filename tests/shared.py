@@ -42,8 +42,8 @@ GRAD_RTOL = 1e-5
 
 # The gradients the CPU tests compare, by ranks: _grads computes a model's whole list in one launch
 GRAD_RUNS = {1: [(8, 0, 0, 0, 1), (8,), (4, 0, 1), (8, 0, 0, 1), (8, 0, 0, 0, 1, 0, 1), (8, 0, 0, 0, 1, 0, 0, 1),
-                 (8, 0, 0, 0, 1, 0, 1, 1)],
-             2: [(2, 0, 0, 0, 1), (8, 28, 0), (8, 28, 0, 0, 0, 1), (2, 0, 0, 0, 1, 0, 1)]}
+                 (8, 0, 0, 0, 1, 0, 1, 1), (8, 0, 0, 0, 0, 0, 0, 2)],
+             2: [(2, 0, 0, 0, 1), (8, 28, 0), (8, 28, 0, 0, 0, 1), (2, 0, 0, 0, 1, 0, 1), (8, 28, 0, 0, 0, 0, 0, 2)]}
 
 
 _GRADS = {}  # (model, _gradient's arguments, ranks) -> (gradients, stdout): tests that need the same run share it
@@ -142,7 +142,8 @@ def _gradient(model_dir, device, micro_batch_size, micro_batch_tokens=0, grad_ch
               variants=0, one_row=0, lora=0, plain=0):
     """The gradient of one mini-batch through FSDP2, of every parameter that has one: 3 groups sharing prompts
     of 3, 6 and 2 tokens (3, 3 and 2 responses), each forwarded once (--shared-prefix).
-    plain=1: a copy of the prompt per response (--no-shared-prefix), the reference for shared prompts.
+    plain=1: a copy of the prompt per response (--no-shared-prefix), the reference for shared prompts; plain=2:
+    neither flag, the CPU's default: sdpa's rule decides in each micro-batch (sharing, with its timed beta).
     padded=1: through the padded layout of _padded_collate (the reference for packed rows; no sharing).
     variants=1: {name: gradient} for every --loss variant, each with its preset, then each of KNOBS
     (vLLM's log-probs, the reference's and π_θold's entropies are made up, a little off π_θold).
@@ -166,7 +167,7 @@ def _gradient(model_dir, device, micro_batch_size, micro_batch_tokens=0, grad_ch
     cfg = dapo.Config(micro_batch_size=micro_batch_size, num_mini_batches=1, logprob_chunk=3, max_response_len=16,
                       overlong_filtering=True, micro_batch_tokens=micro_batch_tokens,
                       grad_checkpointing=bool(grad_checkpointing), lora_rank=1 if lora else 0, lora_alpha=1.0,
-                      shared_prefix=not plain)
+                      shared_prefix={0: True, 1: False, 2: None}[plain])
     torch.manual_seed(0)
     model = dapo.load_policy(cfg, model_dir, device)
     print("use_cache", model.config.use_cache)
@@ -195,7 +196,7 @@ def _gradient(model_dir, device, micro_batch_size, micro_batch_tokens=0, grad_ch
         s["ref_logp"] = s["old_logp"] + torch.tensor([extra.gauss(0, 0.5) for _ in s["response_ids"]])
         s["old_entropy"] = torch.tensor([extra.uniform(0, 2) for _ in s["response_ids"]])
     dapo.overlong_filtering(samples, cfg)
-    minis, plan = dapo.micro_batches(samples, cfg, cfg.shared_prefix)
+    minis, plan = dapo.micro_batches(samples, cfg, dapo.sharing(cfg, model.config))
     if not micro_batch_tokens:
         assert len(plan[0]) == 8 // dapo.world() // micro_batch_size
     groups = dapo.all_gather_objects([[s["row"] for s in mb if not s.get("dummy")] for mb in plan[0]])[0]
@@ -207,7 +208,7 @@ def _gradient(model_dir, device, micro_batch_size, micro_batch_tokens=0, grad_ch
     for name, knob in {**runs, **KNOBS}.items() if variants else [(cfg.loss, {})]:
         c = dataclasses.replace(cfg, **knob)
         model.zero_grad(set_to_none=True)
-        minis, plan = dapo.micro_batches(samples, c, c.shared_prefix)
+        minis, plan = dapo.micro_batches(samples, c, dapo.sharing(c, model.config))
         dapo.select_tokens(minis[0], plan[0], c, (0, 0, 0))   # over the whole mini-batch, every rank's tokens
         dapo.policy_gradient(_pg_run(model, c, device), minis[0], plan[0])
         out[name] = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
@@ -268,8 +269,8 @@ def _update_samples(n=8, seed=0):
 
 
 def _pg_run(model, cfg, device):
-    """What policy_gradient reads of the run: --shared-prefix as given, every group's prompt once by default."""
-    return types.SimpleNamespace(cfg=cfg, model=model, pad_id=0, device=device, share=cfg.shared_prefix is not False)
+    """What policy_gradient reads of the run: --shared-prefix resolved as set_up resolves it (sharing)."""
+    return types.SimpleNamespace(cfg=cfg, model=model, pad_id=0, device=device, share=dapo.sharing(cfg, model.config))
 
 
 def _padded_collate(samples, pad_id, device, one_row=False, shared=False):

@@ -101,6 +101,21 @@ def test_packed_gradient_equals_the_padded_path(tiny_model, tmp_path):
         assert worst < GRAD_RTOL and scale > 1e-3
 
 
+def test_the_default_cpu_path_shares_through_packing_and_gives_the_padded_gradient(tiny_model, tmp_path):
+    """Neither --shared-prefix nor --no-shared-prefix, the CPU's default: sdpa's rule (its beta timed for the model)
+    decides in each micro-batch, in one process and on 2 ranks with a 28-token budget (pack_by_tokens keeps each
+    group's part whole and in order): the groups' prompts are still shared after packing, and the gradient is the
+    padded layout's, a copy of the prompt per response, within GRAD_RTOL."""
+    padded, _ = _grads(tiny_model, tmp_path, 8, 0, 0, 1)
+    for name, (g, out) in (("1 process", _grads(tiny_model, tmp_path, 8, 0, 0, 0, 0, 0, 0, 2)),
+                           ("2 ranks, 28-token budget", _grads(tiny_model, tmp_path, 8, 28, 0, 0, 0, 0, 0, 2, nproc=2))):
+        layouts = json.loads(re.search(r"^layouts (\[.*\])", out, re.M)[1])
+        worst, scale = _relative_gap(padded, g)
+        print(f"the default rule, {name}: layouts {layouts}; max |grad - padded grad| = {worst:.1e} of the largest "
+              f"entry {scale:.2e}")
+        assert any("shared" in x for x in layouts) and worst < GRAD_RTOL and scale > 1e-3
+
+
 def test_shared_prompts_give_the_plain_gradient_for_every_objective_with_and_without_lora(tiny_model, tmp_path):
     """--shared-prefix (a group's prompt forwarded once, its responses attending to it) against a copy of the
     prompt per response (--no-shared-prefix), through FSDP2 and policy_gradient, for every --loss (GSPO's
@@ -219,10 +234,11 @@ def test_shared_prompts_in_bf16_stay_within_bf16s_own_rounding():
 
 def test_shared_prefix_by_default_shares_where_it_pays():
     """--shared-prefix resolved for the attention and the model (sharing): flex attention's block mask always
-    forwards a group's prompt once; under sdpa, whose dense mask makes a micro-batch cost about T (beta + L) (T
-    positions, L the row length: the longest sequence; beta the decoder's FLOPs of one position over one
-    attention pair's), each micro-batch's groups share in parts of the cap that costs least (shared_parts): the
-    longest copy, or a group's whole length, never past SDPA_SHARED_MAX. On the project's shapes, one group a
+    forwards a group's prompt once; under sdpa, whose dense mask makes a micro-batch cost about rows x L x
+    (beta + L) (L the row length: the longest sequence; rows as collate packs them, their tails included; beta a
+    position's cost in attention pairs, timed for the model on this machine: sdpa_beta), each micro-batch's groups
+    share in parts of the cap that costs least (shared_parts): the longest copy, or a group's whole length, never
+    past SDPA_SHARED_MAX. On the project's shapes, one group a
     micro-batch: bench_step's short prompts and long responses, the carry task's and a long-response laptop
     shape stay copies; the demo's, the showcase's and the ladder's groups share whole. The flags force either way;
     flash attention never shares. --micro-batch-tokens counts a copy per response unless sharing is forced, so
@@ -232,9 +248,12 @@ def test_shared_prefix_by_default_shares_where_it_pays():
                        head_dim=64)   # the built-in model
     smol = LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
                        head_dim=64)   # SmolLM2-135M
-    beta = {"demo": dapo.sharing(dapo.Config(), demo), "smol": dapo.sharing(dapo.Config(), smol)}
-    assert beta["demo"] == 2 * (2 * 128 * 128 + 2 * 128 * 128 + 3 * 128 * 512) / (4 * 2 * 64) == 1024
-    assert beta["smol"] == 2 * (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536) / (4 * 9 * 64) == 3072
+    # the decoder's FLOPs of one position over one attention pair's: where sdpa_beta's timing lands on a CPU whose
+    # matmuls and attention run alike (on 2 Xeon cores with AMX it times 1,450 and 2,470 in fp32)
+    beta = {"demo": 2 * (2 * 128 * 128 + 2 * 128 * 128 + 3 * 128 * 512) / (4 * 2 * 64),
+            "smol": 2 * (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536) / (4 * 9 * 64)}
+    assert (beta["demo"], beta["smol"]) == (1024, 3072)
+    assert dapo.sharing(dapo.Config(), demo) == dapo.sdpa_beta(demo, False) > 0   # sdpa: the rule, timed
     assert dapo.sharing(dapo.Config(attn_impl="flex_attention"), demo) is True
     assert dapo.sharing(dapo.Config(shared_prefix=True), demo) is True
     assert dapo.sharing(dapo.Config(shared_prefix=False, attn_impl="flex_attention"), demo) is False
@@ -250,7 +269,12 @@ def test_shared_prefix_by_default_shares_where_it_pays():
         print(f"{name}: a prompt of {P}, responses of {lens[0]}: forwarded as {got}")
         assert got == want, name
         assert parts(P, lens, True) == [8] and parts(P, lens, False) == [1] * 8
-    assert parts(100, [300] * 8, 1e12) == [6, 2]   # positions alone count, but 100 + 7 x 300 > SDPA_SHARED_MAX
+    # positions alone count (beta huge), row tails too: one group of 8 x 300 past SDPA_SHARED_MAX would go in parts
+    # of 1,900 and 700 positions, two rows of 1,900 (3,800 positions): its 8 copies take 3,200; two groups of 8 x 250
+    # share in parts of 1,850 and 350, the two short parts in one row (5,550 positions against 5,600)
+    assert parts(100, [300] * 8, 1e12) == [1] * 8
+    two = [{"prompt_ids": [g] * 100, "len": 250} for g in (1, 2) for _ in range(8)]
+    assert [len(r) for r in dapo.prompt_runs(two, 1e12)] == [7, 1, 7, 1]
     assert parts(8, [100, 5, 5, 5, 100, 100, 100, 100], 1024) == [1, 3, 1, 1, 1, 1]   # within the longest copy: free
     import random
     rng = random.Random(0)
@@ -270,8 +294,8 @@ def test_a_micro_batch_mixing_shared_and_plain_groups_gives_the_plain_gradient()
     copy, 72 positions); the log-probs, entropies and gradient equal those of a copy of the prompt per response,
     in rows and in one row."""
     model = _tiny_causal_lm("qwen2")
-    beta = dapo.sharing(dapo.Config(), model.config)
-    samples = _grouped_samples(((20, [3, 4, 5, 2]), (2, [40, 45, 50]), (12, [20, 20, 60])))
+    beta = 640.0   # this model's FLOPs of a position over an attention pair's (as sdpa_beta would time them)
+    samples = _grouped_samples(((20, [3, 4, 5, 2]), (2, [60, 62, 64]), (12, [20, 20, 60])))
     runs = dapo.prompt_runs(samples, beta)
     assert [len(r) for r in runs] == [4, 1, 1, 1, 2, 1], runs
     plain = _logprobs_and_grads(model, samples, shared=False)
@@ -282,7 +306,7 @@ def test_a_micro_batch_mixing_shared_and_plain_groups_gives_the_plain_gradient()
               f"difference {logp:.1e}, gradient {grad:.1e} of the largest entry")
         assert logp < 1e-5 and grad < GRAD_RTOL
         assert (mixed[1] - plain[1])[plain[3]["mask"].bool()].abs().max() < 1e-5   # the entropies
-        assert (mixed[3]["segment"] > 0).sum() == 20 + 14 + 2 * 3 + 135 + 12 * 2 + 100
+        assert (mixed[3]["segment"] > 0).sum() == 20 + 14 + 2 * 3 + 186 + 12 * 2 + 100
 
 
 def test_trainer_ranks_cut_a_mini_batch_into_consecutive_shares_of_equal_load(monkeypatch):
@@ -347,6 +371,35 @@ def test_pack_by_tokens_counts_a_shared_prompt_once_and_cuts_a_group_over_the_bu
     print(f"{len(samples)} samples: {len(packs)} micro-batches of <= 1024 real tokens, {forwarded} tokens, with "
           f"shared prompts; {len(plain)} micro-batches, {copies} tokens, with a copy per response")
     assert forwarded < copies and len(packs) < len(plain)
+
+
+def test_token_budgets_keep_the_rules_sharing():
+    """Eight showcase-like groups (a 92-token prompt, 8 answers of 3-12 tokens) cut by --micro-batch-tokens under
+    sdpa's rule (a copy per response counted): each micro-batch holds whole groups in order, so the rule still
+    shares them; the positions forwarded stay within 1.05x those of forced sharing (about a quarter of the copies'),
+    at budgets of 2,000 and 6,000 tokens and at a half, once and twice SmolLM2's FLOP ratio for beta."""
+    import random
+    rng = random.Random(0)
+    samples = []
+    for g in range(8):
+        prompt = [g + 3] * 92
+        samples += [{"prompt_ids": prompt, "response_ids": [7] * n, "len": n} for n in
+                    (rng.randint(3, 12) for _ in range(8))]
+
+    def positions(mbs, share):
+        return sum(len(mb[r[0]]["prompt_ids"]) + sum(mb[i]["len"] for i in r)
+                   for mb in mbs for r in dapo.prompt_runs(mb, share))
+    copies = sum(92 + s["len"] for s in samples)
+    for budget in (2000, 6000):
+        shared = positions(dapo.pack_by_tokens(samples, budget, True), True)
+        for beta in (1536.0, 3072.0, 6144.0):
+            mbs = dapo.pack_by_tokens(samples, budget, beta)
+            assert sorted(map(id, (s for mb in mbs for s in mb))) == sorted(map(id, samples))
+            assert all(sum(92 + s["len"] for s in mb) <= budget for mb in mbs)   # copies counted: the rule fits
+            got = positions(mbs, beta)
+            print(f"budget {budget}, beta {beta:.0f}: {len(mbs)} micro-batches, {got} positions forwarded; forced "
+                  f"sharing {shared}, copies {copies}")
+            assert got <= 1.05 * shared < copies / 3
 
 
 def test_collate_with_shared_prompts_predicts_each_first_token_from_the_prompt():

@@ -11,7 +11,7 @@ import shutil
 import types
 import pytest
 import torch
-from lib import demo_model, interrupt
+from lib import demo_model, interrupt, plan
 import dapo
 from tests.shared import HERE, _grads, _run, _torchrun
 
@@ -193,55 +193,266 @@ def test_first_hour_script_checks_its_arguments_and_prints_commands_that_parse(t
     assert ran["8"][ran["8"].index("--steps") + 1] == "3"
 
 
-def test_trainer_check_runs_on_cpu_where_vllm_cannot_be_imported(tmp_path):
-    """tools/gpu_check.py --trainer-only in a Python where `import vllm` fails (a stand-in package that raises, first
-    on the path): the trainer's half runs without vLLM, on the built-in model's shape (no CUDA here): shared prompt
-    = copies in fp32 and bf16 within their bounds, the micro-batch's speed, and the CUDA-only rows (flex
-    attention's gradient, the GPU memory against the plan, flex's compiles) skipped by name; the table ends the
-    output and is written as JSON."""
+def _no_vllm(tmp_path):
+    """An environment where `import vllm` fails: a stand-in package that raises, first on the path."""
     fake = tmp_path / "no_vllm" / "vllm"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("raise ImportError('vLLM is not installed here')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(fake.parent), os.environ.get("PYTHONPATH")]))}
     assert _run([sys.executable, "-c", "import vllm"], env=env).returncode != 0
+    return env
+
+
+def test_trainer_check_runs_on_cpu_where_vllm_cannot_be_imported(tmp_path):
+    """tools/gpu_check.py --trainer-only in a Python where `import vllm` fails: the trainer's half runs without
+    vLLM, on the built-in model's shape (no CUDA here), its time estimate first: shared prompt = copies in fp32 and
+    bf16, log-probs and each gradient group (q, k, v projections, the rest) within their bounds; sdpa = eager on
+    plain rows, one under 128 positions; the CUDA-only rows (flex attention's gradient and kernel, the GPU memory
+    against the plan, flex's compiles) skipped by name, and the speed row skipped with its reason (no floor on a
+    CPU), not passed; the table ends the output and is written as JSON."""
+    env = _no_vllm(tmp_path)
     out = _run([sys.executable, "tools/gpu_check.py", "--trainer-only", "--json", str(tmp_path / "t.json")], env=env)
     print(out.stdout[-3000:])
     assert out.returncode == 0, out.stderr[-3000:]
-    assert re.search(r"^trainer_check: CPU \(no CUDA\), 1 rank\(s\); torch \S+ .*transformers \S+", out.stdout, re.M)
+    head = out.stdout.splitlines()
+    assert re.match(r"trainer_check: CPU \(no CUDA\), 1 rank\(s\); torch \S+ .*transformers \S+", head[0])
+    assert re.match(r"trainer_check: estimated \d+\.\d minutes", head[1])
     lines = out.stdout.strip().splitlines()
     assert lines[-1].startswith("trainer_check: PASS")
     rows = json.load(open(tmp_path / "t.json"))["rows"]
-    verdicts = {(r["check"], r["what"].split(",")[0]): r["ok"] for r in rows}
     exact = [r for r in rows if r["check"] == "exact" and r["ok"] is not None]
-    assert [r["what"].rsplit(", ", 1)[1] for r in exact] == ["fp32", "bf16"] and all(r["ok"] for r in exact)
-    assert exact[0]["data"]["logp"] < 1e-4 and exact[1]["data"]["noise_logp"] > exact[0]["data"]["logp"]
+    for precision in ("fp32", "bf16"):
+        got = {r["data"].get("group", "log-probs") for r in exact if f", {precision}: " in r["what"]}
+        assert got == {"log-probs", "q_proj", "k_proj", "v_proj", "other"}, (precision, got)
+    assert all(r["ok"] for r in exact) and all(r["data"]["grad"] < 1e-4 for r in exact if ", fp32: gradient" in
+                                               r["what"])
+    kernels = [r for r in rows if r["check"] == "kernels" and r["ok"] is not None]
+    assert kernels and all(r["ok"] for r in kernels) and any(" 56 positions" in r["what"] for r in kernels)
+    verdicts = {(r["check"], r["what"].split(",")[0]): r["ok"] for r in rows}
     for check, what in (("exact", "shared prompt = copies under flex attention (the CUDA default)"),
-                        ("memory", "tiny"), ("compiles", "flex attention over several lengths")):
+                        ("kernels", "flex attention = sdpa"), ("memory", "tiny"),
+                        ("compiles", "flex attention over several lengths")):
         assert verdicts[(check, what)] is None, (check, what, verdicts)
         assert re.search(rf"^  {check} +{re.escape(what)}.* skipped: .* skipped$", out.stdout, re.M), (check, what)
     speed = next(r for r in rows if r["check"] == "speed")
-    assert speed["ok"] and speed["data"]["tokens_per_s"] > 0 and speed["data"]["mfu"] is None
+    assert speed["ok"] is None and speed["data"]["tokens_per_s"] > 0 and speed["data"]["mfu"] is None
+    assert "skipped: a CPU has no floor" in speed["limit"]
+
+
+def test_trainer_check_stopped_midway_leaves_the_rows_measured_so_far(tmp_path):
+    """A timeout leaves something: trainer_check prints each row as it is measured and rewrites its JSON first, so
+    killed (SIGKILL, as a timeout's last resort) right after its second row is printed, its JSON holds those rows."""
+    import signal
+    import subprocess
+    env = _no_vllm(tmp_path)
+    path = tmp_path / "t.json"
+    p = subprocess.Popen([sys.executable, "tools/trainer_check.py", "--json", str(path)], cwd=HERE, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    printed = []
+    try:
+        for line in p.stdout:
+            if re.match(r"^  (exact|kernels|memory|speed|compiles)  ", line):
+                printed.append(line)
+                if len(printed) == 2:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    break
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    assert p.returncode == -signal.SIGKILL and len(printed) == 2
+    rows = json.load(open(path))["rows"]
+    print(f"killed after {len(printed)} rows; the JSON holds {len(rows)}: {[r['what'] for r in rows]}")
+    assert [r["what"] for r in rows[:2]] == [line.split("  ")[2] for line in printed]
+
+
+def test_trainer_check_per_tensor_rows_catch_an_error_in_one_q_projection():
+    """A gradient error confined to one q-projection (a hook scales its gradient in the shared run), under sdpa on
+    a CPU, below what the bound over all tensors can see (the largest difference over the largest entry of the
+    model: q's gradients are small beside the embedding's), passes that bound and fails the per-tensor row."""
+    sys.path.insert(0, os.path.join(HERE, "tools"))
+    import trainer_check
+    from tests.test_exactness import _grouped_samples, _tiny_causal_lm
+    model = _tiny_causal_lm("qwen2")
+    samples = _grouped_samples(((7, [5, 9, 3, 12]), (2, [4, 1, 8]), (12, [6]), (4, [10, 2])))
+    plain = trainer_check.logprobs_and_grads(model, samples, False)
+    name = "model.layers.1.self_attn.q_proj.weight"
+    q = dict(model.named_parameters())[name]
+    share = plain[2][name].abs().max().item() / max(g.abs().max().item() for g in plain[2].values())
+    error = 0.5 * trainer_check.SHARED_FP32 / share   # half what the global bound would see
+    handle = q.register_hook(lambda g: g * (1 + error))
+    try:
+        shared = trainer_check.logprobs_and_grads(model, samples, True)
+    finally:
+        handle.remove()
+    logp, grad = trainer_check.shared_gaps(shared, plain)
+    rows = trainer_check.gap_rows("injected", shared, plain, trainer_check.SHARED_FP32, trainer_check.SHARED_FP32)
+    verdicts = {r["data"].get("group", "log-probs"): r["ok"] for r in rows}
+    print(f"q's gradient is {share:.1e} of the largest entry; a {error:.1%} error in {name}: the global bound sees "
+          f"{grad:.1e}; the rows: {verdicts}")
+    assert error > 1e-3 and grad < trainer_check.SHARED_FP32 and logp < 1e-5
+    assert verdicts == {"log-probs": True, "q_proj": False, "k_proj": True, "v_proj": True, "other": True}
+    assert next(r for r in rows if r["data"].get("group") == "q_proj")["data"]["tensor"] == name
+
+
+def test_trainer_check_memory_rows_are_two_sided_against_a_named_allowance():
+    """The memory rows on stand-in peaks: within the band they pass; a plan twice too large (measured / plan 0.5)
+    fails as surely as a plan too small; each row names the allowance its plan carries. The plan's own: the
+    step's allowance (the allocator's rounding) is its own row, beside a fixed allowance for the rest."""
+    sys.path.insert(0, os.path.join(HERE, "tools"))
+    import trainer_check
+    from lib import plan
+    cfg = dapo.parse_config(["--model", "Qwen2.5-1.5B", "--max-response-len", "4096", "--overlong-cache-len", "1024"],
+                            cuda=True)
+    t = plan.trainer_bytes(cfg, plan.model_shape("Qwen2.5-1.5B"), 1, "cuda")
+    assert t["other"] == plan.OTHER_GB * 1e9 and t["tensors"] == 12 * 28 + 2
+    assert t["stepping"] == t["resident"] + t["gradients"] + t["adamw_temporary"] + t["rounding"] + t["other"]
+    planned = {"training, allocated": t["training"], "training, reserved": t["training"] + t["fragmentation"],
+               "AdamW step, added": t["adamw_temporary"] + t["rounding"]}
+
+    def verdicts(scale):
+        rows = trainer_check.memory_rows("stand-in", {k: v * scale for k, v in planned.items()}, planned,
+                                         {"AdamW step, added": t["rounding"]}, t["other"])
+        assert all("with its allowance" in r["limit"] for r in rows)
+        return [r["ok"] for r in rows]
+    assert verdicts(0.95) == [True, True, True]
+    assert verdicts(0.5) == [False, False, False]   # a plan twice too large
+    assert verdicts(1.05) == [False, False, False]  # too small
+
+
+def test_trainer_check_peaks_by_exact_name_and_the_speed_floor(monkeypatch):
+    """The GPU's peaks by its exact name (an L40 is not an L4; an unknown GPU says so and its speed row is skipped,
+    never passed); MFU counts the head's FLOPs at TF32's peak, the decoder's at bf16's; a micro-batch under the
+    named floor fails."""
+    sys.path.insert(0, os.path.join(HERE, "tools"))
+    import trainer_check
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA L40")
+    assert trainer_check.peak_tflops(cuda) == trainer_check.PEAK_TFLOPS["NVIDIA L40"] != trainer_check.PEAK_TFLOPS[
+        "NVIDIA L4"]
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    cfg = dapo.parse_config(["--model", "Qwen2.5-1.5B", "--max-response-len", "4096", "--overlong-cache-len", "1024"],
+                            cuda=True)
+    shape = plan.model_shape("Qwen2.5-1.5B")
+    one = [{"prompt_ids": [0] * 2048, "response_ids": [0] * 4096}]
+    body, head = trainer_check.model_flops(shape, one)
+    bf16, tf32, _ = trainer_check.PEAK_TFLOPS["NVIDIA H100 80GB HBM3"]
+    ideal = (body / bf16 + head / tf32) / 1e12
+    fast = trainer_check.speed_row("stand-in", cuda, cfg, shape, one, ideal / 0.2, 9.0)
+    slow = trainer_check.speed_row("stand-in", cuda, cfg, shape, one, ideal / 0.02, 9.0)
+    assert abs(fast["data"]["mfu"] - 0.2) < 1e-9 and fast["ok"] is True and slow["ok"] is False
+    assert 0.05 < head / (body + head) < 0.15   # the head: ~9% of the FLOPs here
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Stand-in 9000")
+    unknown = trainer_check.speed_row("stand-in", cuda, cfg, shape, one, 1.0, 9.0)
+    assert unknown["ok"] is None and "no peak known for 'NVIDIA Stand-in 9000'" in unknown["limit"]
+
+
+def test_trainer_check_estimates_its_default_run_within_8_minutes_on_an_h100(monkeypatch):
+    """The estimate trainer_check prints first, for its default run on one 80 GB H100 (a stand-in device): every
+    check of Qwen2.5-1.5B and 7B's width, within 8 minutes by its own count (compiles, models built, FLOPs)."""
+    sys.path.insert(0, os.path.join(HERE, "tools"))
+    import trainer_check
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    seconds, how = trainer_check.estimate(["1.5b", "7b"], trainer_check.CHECKS, torch.device("cuda", 0))
+    print(f"estimated {seconds / 60:.1f} minutes: {how}")
+    assert 60 < seconds <= 8 * 60
+
+
+def test_trainer_check_measures_each_model_alone(tmp_path):
+    """alone(): after a model's checks nothing of it is reachable (check_step's model, its optimizer, the
+    micro-batch's closure and the FSDP forward method's reference cycle all gone), and a model kept alive past
+    its check stops the run rather than inflate the next model's rows. In a process of its own (a process group)."""
+    code = f"""
+import sys, torch
+sys.path[:0] = [{HERE!r}, {os.path.join(HERE, "tools")!r}]
+import dapo, trainer_check as tc
+cpu, rows, kept = torch.device("cpu"), [], []
+dapo.init_distributed()
+with tc.alone(cpu):
+    tc.check_step("tiny", cpu, {str(tmp_path)!r}, rows.append)
+print("checked", [r["check"] for r in rows], len(tc.ALIVE))
+try:
+    with tc.alone(cpu):
+        path = tc.model_dir("", root={str(tmp_path)!r})
+        kept.append(tc.random_policy(tc.config_for("tiny", path, cpu), path, cpu))
+except RuntimeError as e:
+    print("refused:", e)
+"""
+    out = _run([sys.executable, "-c", code], timeout=300)
+    print(out.stdout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "checked ['memory', 'speed'] 1" in out.stdout
+    assert re.search(r"^refused: trainer_check: 1 model\(s\) still reachable after their check", out.stdout, re.M)
 
 
 def test_gpu_check_sets_each_logged_phase_beside_the_plan():
     """gpu_check's table of the GPU memory dapo.py logs per phase (metrics.jsonl's mem/*, gpu_phase) beside the
-    plan's peak for that phase (lib/plan.py), on made-up rows: the largest allocated and reserved over the steps,
-    the device's in use at the phase's end, the plan's training peak or AdamW's for the update."""
+    plan (lib/plan.py), on made-up rows: the largest allocated and reserved over the steps and vLLM's pool within
+    them; the trainer's own (allocated less the pool) beside the plan's trainer figure for the phase (AdamW's step
+    or a micro-batch for the update, its states for generation); the device's in use beside the plan's GPU peak."""
     sys.path.insert(0, os.path.join(HERE, "tools"))
     import gpu_check
-    from lib import plan
     cfg = dapo.parse_config(["--model", "Qwen2.5-1.5B", "--max-response-len", "4096", "--overlong-cache-len", "1024"],
                             cuda=True)
     rows = [{f"mem/{p}_{k}_gb": v * (1 + s) for p in gpu_check.PLAN_PHASES for k, v in
-             (("allocated", 10.0), ("reserved", 12.0), ("free", 50.0))} for s in (0, 1)]
+             (("allocated", 30.0), ("reserved", 32.0), ("free", 50.0), ("vllm_pool", 10.0))} for s in (0, 1)]
     lines = gpu_check.phases_beside_plan(rows, cfg, "Qwen2.5-1.5B", 1, 85.0, cuda=True)
     print("\n".join(lines))
     _, v = plan.memory_plan(cfg, plan.model_shape("Qwen2.5-1.5B"), 1, 1, 85.0)
+    trainer = max(v["trainer"]["training"], v["trainer"]["stepping"]) / 1e9
     update = max(v["peaks"]["peak while training"], v["peaks"]["peak while stepping AdamW"]) / 1e9
-    assert re.search(rf"^  update +20\.0 / +24\.0 / +35\.0   plan +{update:.1f} ", "\n".join(lines), re.M)
-    assert re.search(rf"^  generation .* plan +{v['peaks']['peak while generating'] / 1e9:.1f} ", "\n".join(lines), re.M)
+    assert re.search(rf"^  update +60\.0 / +64\.0, pool +20\.0   trainer +40\.0  plan +{trainer:.1f} \(training or "
+                     rf"stepping\)   in use +35\.0  plan +{update:.1f} ", "\n".join(lines), re.M)
+    assert re.search(rf"^  generation .* plan +{v['trainer']['resident'] / 1e9:.1f} \(resident\) .* plan "
+                     rf"+{v['peaks']['peak while generating'] / 1e9:.1f} ", "\n".join(lines), re.M)
     assert gpu_check.phases_beside_plan([], cfg, "Qwen2.5-1.5B", 1, 85.0, cuda=True)[1].endswith("not logged")
     assert "skipped" in gpu_check.phases_beside_plan(rows, cfg, "Qwen2.5-1.5B", 1, 85.0, cuda=False)[0]
+
+
+def test_gpu_check_reads_each_phase_where_dapo_records_it(monkeypatch):
+    """On a stand-in CUDA device, a step as train() runs it under gpu_check's wrappers: the update peaks at 30 GB and
+    ends at 10, the sync (push_weights, which records the update's end first) at 20. The update's peak is the
+    update's, not the level at the sync's start (a wrapper resetting torch's peaks on entering push_weights would
+    cut it), in dapo.py's record and in gpu_check's table alike; the sync's is its own."""
+    sys.path.insert(0, os.path.join(HERE, "tools"))
+    import gpu_check
+    mem = {"now": 5e9, "peak": 5e9}
+
+    def allocate(gb):
+        mem["now"] = gb * 1e9
+        mem["peak"] = max(mem["peak"], mem["now"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: mem["peak"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: mem["peak"])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: mem["now"])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (80e9 - mem["now"], 85e9))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: mem.update(peak=mem["now"]))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: types.SimpleNamespace(total_memory=85e9))
+    for name in ("sample_groups", "update_policy", "push_weights", "save_checkpoint", "load_checkpoint",
+                 "start_engine", "gpu_phase"):
+        monkeypatch.setattr(dapo, name, getattr(dapo, name))   # undone after the test: instrument replaces them
+
+    def update_policy(run):
+        allocate(30)
+        allocate(10)
+
+    def push_weights(run):
+        dapo.gpu_phase(run, "update")
+        allocate(20)
+        dapo.gpu_phase(run, "sync")
+    monkeypatch.setattr(dapo, "update_policy", update_policy)
+    monkeypatch.setattr(dapo, "push_weights", push_weights)
+    phases, seen = {}, {}
+    gpu_check.instrument(phases, seen)
+    run = types.SimpleNamespace(device=torch.device("cuda", 0), gpu={})
+    dapo.gpu_phase(run, None)
+    dapo.update_policy(run)
+    dapo.push_weights(run)
+    print(run.gpu, phases)
+    assert run.gpu["mem/update_allocated_gb"] == 30.0 and run.gpu["mem/sync_allocated_gb"] == 20.0
+    assert phases["update"]["allocated"] == 30.0 and phases["sync"]["allocated"] == 20.0
+    assert phases["update"]["seconds"] >= 0 and phases["sync"]["in_use"] == 85.0 - 60.0
 
 
 def test_gpu_phase_records_each_phase_on_a_stand_in_device(monkeypatch):
@@ -254,6 +465,10 @@ def test_gpu_phase_records_each_phase_on_a_stand_in_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: state["reserved"])
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (70e9, 85e9))
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: state.update(resets=state["resets"] + 1))
+    handle = lambda size: types.SimpleNamespace(handle=(0, size, 0, 0))   # noqa: E731  vLLM's AllocationData
+    pool = types.SimpleNamespace(pointer_to_data={1: handle(2e9), 2: handle(0.5e9)})
+    monkeypatch.setitem(sys.modules, "vllm.device_allocator.cumem", types.SimpleNamespace(
+        CuMemAllocator=types.SimpleNamespace(instance=pool)))
     run = types.SimpleNamespace(device=torch.device("cuda", 0), gpu={})
     dapo.gpu_phase(run, None)
     assert run.gpu == {} and state["resets"] == 1
@@ -261,35 +476,48 @@ def test_gpu_phase_records_each_phase_on_a_stand_in_device(monkeypatch):
     state["allocated"] = 9e9
     dapo.gpu_phase(run, "update")
     assert run.gpu == {"mem/generation_allocated_gb": 3.0, "mem/generation_reserved_gb": 4.0,
-                       "mem/generation_free_gb": 70.0, "mem/update_allocated_gb": 9.0, "mem/update_reserved_gb": 4.0,
-                       "mem/update_free_gb": 70.0} and state["resets"] == 3
+                       "mem/generation_free_gb": 70.0, "mem/generation_vllm_pool_gb": 2.5,
+                       "mem/update_allocated_gb": 9.0, "mem/update_reserved_gb": 4.0,
+                       "mem/update_free_gb": 70.0, "mem/update_vllm_pool_gb": 2.5} and state["resets"] == 3
     cpu = types.SimpleNamespace(device=torch.device("cpu"), gpu={})
     dapo.gpu_phase(cpu, "update")
     assert cpu.gpu == {}
 
 
+def test_bench_step_run_holds_what_the_update_records_on_cuda(monkeypatch):
+    """tools/bench_step.py calls update_policy, which records each phase's GPU memory into run.gpu on CUDA
+    (gpu_phase): its run has that record, so on a stand-in CUDA device the record is written, not a crash."""
+    sys.path.insert(0, os.path.join(HERE, "tools"))
+    import bench_step
+    for name, value in (("synchronize", lambda *a: None), ("max_memory_allocated", lambda *a: 3e9),
+                        ("max_memory_reserved", lambda *a: 4e9), ("mem_get_info", lambda *a: (70e9, 85e9)),
+                        ("reset_peak_memory_stats", lambda *a: None)):
+        monkeypatch.setattr(torch.cuda, name, value)
+    model = types.SimpleNamespace(config=types.SimpleNamespace(hidden_size=128, num_attention_heads=2,
+                                                               num_key_value_heads=2, intermediate_size=512))
+    run = bench_step.bench_run(dapo.Config(shared_prefix=False), None, types.SimpleNamespace(pad_token_id=0), model,
+                               None, torch.device("cuda", 0))
+    dapo.gpu_phase(run, "old_logp")
+    assert run.gpu["mem/old_logp_allocated_gb"] == 3.0
+
+
 @pytest.mark.gpu
-def test_gpu_shared_prompt_under_flex_gives_the_plain_gradient(cuda):
-    """The default CUDA update's layout: one group (a 512-token prompt, 8 responses of 1,024-4,097 tokens: 21k
-    positions) in one row, its prompt forwarded once under flex attention's block mask, against a copy of the
-    prompt per response: log-probs and every parameter's gradient (tools/trainer_check.py's check, which
-    tests/test_exactness.py runs under sdpa on a CPU). fp32 within trainer_check.SHARED_FP32; bf16 within twice
-    what bf16 itself moves the plain path from fp32 (+ 1e-3 nats for the log-probs)."""
+def test_gpu_shared_prompt_under_flex_gives_the_plain_gradient(cuda, tmp_path):
+    """The default CUDA update's layout: one group (a 512-token prompt, 8 responses of 1,024-4,003 tokens: 22,528
+    positions as copies) in one row, its prompt forwarded once under flex attention's block mask, against a copy
+    of the prompt per response: log-probs and each gradient group (q, k, v projections, the rest) against its own
+    scale, in fp32 and in bf16 under the trainer's FSDP2 mixed precision (tools/trainer_check.py's check, which
+    tests/test_exactness.py runs under sdpa on a CPU); then flex against sdpa, plain and shared rows, one under
+    128 positions."""
     sys.path.insert(0, os.path.join(HERE, "tools"))
     import trainer_check
-    model = _scaled_qwen2("flex_attention").to(cuda)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    samples = trainer_check.group(512, [1024 + 439 * k for k in range(8)], model.config.vocab_size)
-    run = lambda shared: trainer_check.logprobs_and_grads(model, samples, shared, True, cuda)   # noqa: E731
-    fp32 = {shared: run(shared) for shared in (False, True)}
-    model.to(torch.bfloat16)
-    bf16 = {shared: run(shared) for shared in (False, True)}
-    gap32 = trainer_check.shared_gaps(fp32[True], fp32[False])
-    gap16, noise = trainer_check.shared_gaps(bf16[True], bf16[False]), trainer_check.shared_gaps(bf16[False], fp32[False])
-    print(f"flex, shared - plain: fp32 {gap32}; bf16 {gap16} (bf16 - fp32, plain: {noise})")
-    assert max(gap32) < trainer_check.SHARED_FP32
-    assert gap16[0] <= 2 * noise[0] + 1e-3 and gap16[1] <= 2 * noise[1]
+    rows = []
+    dapo.init_distributed()
+    with trainer_check.alone(cuda):
+        trainer_check.check_shared("1.5b", cuda, str(tmp_path), rows.append)
+        trainer_check.check_kernels("1.5b", cuda, str(tmp_path), rows.append)
+    print("\n".join(trainer_check.table(rows)))
+    assert rows and all(r["ok"] for r in rows)
 
 
 def test_packed_row_check_passes_and_fails_on_cpu():

@@ -101,15 +101,21 @@ def test_plan_counts_each_overhead_where_it_is_held():
     assert r["fragmentation, 1/3 of gathered + acts + KV copy"] == pytest.approx(transient / 3)
     states = r["sharded fp32 parameters"] + r["sharded AdamW state (m, v)"]
     assert r["peak while generating"] == pytest.approx(states + 0.7 * 80 * GB + process)
+    other = r["other allocations (cuBLAS workspaces, RoPE tables)"]
+    from lib import plan as lib_plan
+    assert other == lib_plan.OTHER_GB * GB
     assert r["peak while training"] == pytest.approx(states + r["sharded fp32 gradients"] + transient * 4 / 3
-                                                     + r["vLLM asleep: CUDA-graph pool, buffers"] + process)
+                                                     + other + r["vLLM asleep: CUDA-graph pool, buffers"] + process)
     assert r["peak while loading (the largest tensor whole)"] == pytest.approx(
         r["sharded fp32 parameters"] + 0.7 * 80 * GB + 152064 * 5120 * 2 + process, rel=1e-3)
     assert 0.5 * GB < copy < 2 * GB and r["vLLM asleep: CUDA-graph pool, buffers"] >= 1 * GB
     temporary = r["AdamW's step temporary (an fp32 shard)"]   # torch's foreach AdamW: sqrt(v) into new tensors
     assert temporary == pytest.approx(r["sharded fp32 gradients"]) and abs(temporary / (4 * P / 128) - 1) < 0.01
-    assert r["peak while stepping AdamW"] == pytest.approx(states + r["sharded fp32 gradients"] + temporary
-                                                           + r["vLLM asleep: CUDA-graph pool, buffers"] + process)
+    rounding = r["the allocator's rounding of it, 1 MiB a tensor"]   # 12 tensors a layer, embedding, norm, head
+    assert rounding == (12 * 64 + 3) * 2**20
+    assert r["peak while stepping AdamW"] == pytest.approx(states + r["sharded fp32 gradients"] + temporary + rounding
+                                                           + other + r["vLLM asleep: CUDA-graph pool, buffers"]
+                                                           + process)
     assert abs(states / (12 * P / 128) - 1) < 0.01 and process > 2 * GB
 
     awake = rows_of("--no-vllm-sleep")
@@ -315,6 +321,10 @@ def test_laptop_preset_cuts_micro_batches_by_tokens_where_16_sequences_would_not
     print(e.value)
     assert "\n" not in str(e.value) and "--no-memory-check runs it anyway" in str(e.value)
     budget = int(re.search(r"`--micro-batch-tokens (\d+)` fits", str(e.value))[1])
+    same = dapo.parse_config(long + ["--micro-batch-size", "16"])   # the preset's value, but given: never rewritten
+    with pytest.raises(dapo.DapoError, match="--no-memory-check runs it anyway"):
+        dapo.fit_host_memory(same, config, 1)
+    assert (same.micro_batch_size, same.micro_batch_tokens) == (16, 0)
     dapo.fit_host_memory(dapo.parse_config(long + ["--micro-batch-size", "32", "--micro-batch-tokens", str(budget)]),
                          config, 1)   # passes
     monkeypatch.setattr(dapo, "fit_host_memory", lambda *a: (_ for _ in ()).throw(AssertionError("planned")))
@@ -322,3 +332,20 @@ def test_laptop_preset_cuts_micro_batches_by_tokens_where_16_sequences_would_not
                  ["--train-data", str(tmp_path / "none.jsonl")]):
         with pytest.raises(dapo.DapoError, match="none.jsonl"):   # past the plan: the data's own error
             dapo.preflight(dapo.parse_config(argv))
+
+
+def test_the_host_plan_takes_a_cgroups_limit(tmp_path, monkeypatch):
+    """machine_gb: the machine's memory, or a container's limit where a cgroup sets one lower (v2's memory.max, v1's
+    memory.limit_in_bytes); "max" or an absent file is no limit."""
+    from lib import plan as lib_plan
+    whole = lib_plan.machine_gb()
+    v2, v1 = tmp_path / "v2{}", tmp_path / "v1{}"
+    monkeypatch.setattr(lib_plan, "CGROUP_LIMITS", (str(v2) + "/memory.max", str(v1) + "/memory.limit_in_bytes"))
+    (tmp_path / "v2").mkdir()
+    (tmp_path / "v2" / "memory.max").write_text("max\n")
+    assert lib_plan.machine_gb() == whole
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "v1" / "memory.limit_in_bytes").write_text(f"{int(whole * 1e9 / 4)}\n")
+    assert lib_plan.machine_gb() == pytest.approx(whole / 4, rel=1e-6)
+    (tmp_path / "v2" / "memory.max").write_text(f"{int(whole * 1e9 / 8)}\n")
+    assert lib_plan.machine_gb() == pytest.approx(whole / 8, rel=1e-6)

@@ -533,18 +533,23 @@ def _real_records(ladder, records):
                   commit="b" * 40 if (folder, seed) == ("dapo_eps_high_0.2", 3) else "a" * 40)
 
 
-def test_bench_prefix_table_gives_medians_after_the_first_step_and_plain_over_shared():
-    """tools/bench_prefix.py's table: the medians of the steps after the first (its warm-up), per way, the peak
-    memory, and each way's update against the faster of the two forced ways, on made-up metrics rows."""
+def test_bench_prefix_table_gives_medians_over_alternated_runs_and_the_plan_beside_the_peak():
+    """tools/bench_prefix.py's table, on made-up runs (their rows after the first step, as run keeps them): the
+    medians over every run of a way, the largest run's peak memory beside its plan and the share of a
+    micro-batch's transient memory the allocator kept by then (the CPU_KEPT that would make the plan exact), and
+    each way's update against the faster of the two forced ways."""
     import bench_prefix
-    rows = lambda u, s, n: [{"time/update": 99.0, "time/step": 99.0, "update/tokens": n}] + [  # noqa: E731
-        {"time/update": u * k, "time/step": s * k, "update/tokens": n} for k in (1, 2, 3)]
-    out = bench_prefix.table({"ladder": {"default": (rows(2.1, 5.1, 1500), 5.0), "shared": (rows(2.0, 5.0, 1500), 5.5),
-                                         "plain": (rows(6.0, 9.0, 6000), 6.5)}})
+    from lib import plan
+    rows = lambda u, s, n: [{"time/update": u * k, "time/step": s * k, "update/tokens": n} for k in (1, 2, 3)]  # noqa
+    run = lambda u, s, n, peak: (rows(u, s, n), peak, 4.0, 2.0)   # noqa: E731  plan 4 GB, 2 GB transient
+    out = bench_prefix.table({"ladder": {"default": [run(2.1, 5.1, 1500, 5.0), run(2.1, 5.1, 1500, 4.0)],
+                                         "shared": [run(2.0, 5.0, 1500, 5.5)], "plain": [run(6.0, 9.0, 6000, 6.5)]}})
     print(out)
-    assert "| ladder | plain | 12.00 | 18.00 | 6,000 | 6.50 | 3.00 |" in out
-    assert "| ladder | shared | 4.00 | 10.00 | 1,500 | 5.50 | 1.00 |" in out
-    assert "| ladder | default | 4.20 | 10.20 | 1,500 | 5.00 | 1.05 |" in out
+    k = lambda peak: (peak - 4.0) / 2.0 + plan.CPU_KEPT   # noqa: E731
+    assert f"| ladder | plain | 1 | 12.00 | 18.00 | 6,000 | 6.50 | 4.00 | {k(6.5):.2f} | 3.00 |" in out
+    assert f"| ladder | shared | 1 | 4.00 | 10.00 | 1,500 | 5.50 | 4.00 | {k(5.5):.2f} | 1.00 |" in out
+    assert f"| ladder | default | 2 | 4.20 | 10.20 | 1,500 | 5.00 | 4.00 | {k(5.0):.2f} | 1.05 |" in out
+    assert bench_prefix.flags({"dedup": False, "lr": 1e-5}) == ["--no-dedup", "--lr", "1e-05"]
 
 
 def _fake_proc(root, procs):

@@ -53,6 +53,7 @@ def print_cpu_plan(cfg):
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     limit = arithmetic.CPU_HEADROOM * arithmetic.machine_gb()
     fitted = dapo.dataclasses.replace(cfg)
+    fitted.given = cfg.given
     try:
         with contextlib.redirect_stdout(io.StringIO()) as note:
             dapo.fit_host_memory(fitted, config, ranks)
