@@ -12,10 +12,11 @@ worked examples as earlier chat turns, then a signature and docstring, with one 
 
     python examples/code_task.py data/code    # writes data/code/train.jsonl and data/code/eval.jsonl
     python dapo.py --model $(python tools/real_model.py) --train-data data/code/train.jsonl \\
-        --eval-data data/code/eval.jsonl --reward examples/code_task.py:reward
+        --eval-data data/code/eval.jsonl --reward examples/code_task.py:reward --cpu-kv-cache-gb 2.5 --eval-every 4
 
-The tests are data: a row's "answer" is {"name", "arg", "inputs", "outputs"}: six hidden inputs and what the
-reference returns on them. The reward builds `def name(arg): return <the response's expression>`, has the
+(the laptop preset; its KV cache raised for prompts of ~200 tokens: docs/code-task.md). The tests are data: a
+row's "answer" is {"name", "arg", "inputs", "outputs"}: six hidden inputs, drawn until no constant or `return xs`
+passes, and what the reference returns on them. The reward builds `def name(arg): return <the response's expression>`, has the
 sandbox call it on the inputs, and compares the outputs here, in the reward's worker: the expected outputs
 never enter the sandbox. +1 when every output is right (exactly, as JSON: True is not 1), else -1. Its answer,
 for maj@k, is the outputs themselves, so programs that behave alike vote together (`x*9+2` and `x * 9 + 2`).
@@ -58,26 +59,41 @@ EXAMPLES = [("add_{k}", 2), ("head_{k}", 3)]  # the worked examples (left out of
 WORDS = ["cat", "apple", "sun", "python", "hello", "tree", "moon", "river", "x", "", "dog", "garden"]
 
 
-def inputs(kind, rng, n=6):
-    """n inputs of a kind: lists of small ints (empty included, unless nonempty), or words."""
+def inputs(kind, k, rng, n, hidden):
+    """n inputs of a kind: lists of ints (k itself a quarter of the time) or strings. The example shown is short
+    (a list of 2 to 6, a word); hidden ones reach past k (a list of up to k + 4 items, empty too unless
+    nonempty; a string of up to k + 4 letters), so a slice of k is not the whole."""
     if kind == "words":
-        return [rng.choice(WORDS) for _ in range(n)]
+        return ["".join(rng.choice("abcdefgh") for _ in range(rng.randint(0, k + 4))) if hidden
+                else rng.choice(WORDS) for _ in range(n)]
     least = 1 if kind == "nonempty" else 0
-    return [[rng.randint(-3, 22) for _ in range(rng.randint(least, 6))] for _ in range(n)]
+    return [[k if rng.random() < 0.25 else rng.randint(-3, 22)
+             for _ in range(rng.randint(least, k + 4) if hidden else rng.randint(2, 6))] for _ in range(n)]
 
 
 def reference(task, k):
-    """The reference implementation: the generator's own code, run here (never a model's)."""
+    """The reference implementation: the generator's own code (TASKS), run here; never a model's."""
     name, arg, _, body, _ = task
     space = {}
     exec(f"def {name.format(k=k)}({arg}):\n    return {body.format(k=k)}\n", space)
     return space[name.format(k=k)]
 
 
+def hidden_tests(task, k, rng, n=6):
+    """n hidden inputs, drawn again until they tell programs apart: two outputs at least differ (no constant
+    passes) and an output differs from its input (`return xs` does not pass for the first 15 items)."""
+    fn = reference(task, k)
+    while True:
+        xs = inputs(task[4], k, rng, n, hidden=True)
+        ys = [fn(x) for x in xs]
+        if len({json.dumps(y) for y in ys}) > 1 and any(y != x for x, y in zip(xs, ys)):
+            return xs, ys
+
+
 def prompt_of(task, k, rng):
     """The signature and docstring, with one example call (not among the hidden inputs)."""
     name, arg, doc, _, kind = task
-    shown = inputs(kind, rng, 1)[0]
+    shown = inputs(kind, k, rng, 1, hidden=False)[0]
     fn = reference(task, k)
     return (f'def {name.format(k=k)}({arg}):\n    """{doc.format(k=k)}\n    >>> {name.format(k=k)}({shown!r})\n'
             f'    {fn(shown)!r}\n    """')
@@ -90,10 +106,10 @@ def row(task, k, rng):
         ex = next(t for t in TASKS if t[0] == ex_name)
         turns += [{"role": "user", "content": prompt_of(ex, ex_k, random.Random(ex_k))},
                   {"role": "assistant", "content": f"return {ex[3].format(k=ex_k)}"}]
-    fn, hidden = reference(task, k), inputs(task[4], rng)
-    return {"prompt": turns + [{"role": "user", "content": prompt_of(task, k, rng)}],
-            "answer": {"name": task[0].format(k=k), "arg": task[1], "inputs": hidden,
-                       "outputs": [fn(x) for x in hidden]}}
+    shown = prompt_of(task, k, rng)
+    xs, ys = hidden_tests(task, k, rng)
+    return {"prompt": turns + [{"role": "user", "content": shown}],
+            "answer": {"name": task[0].format(k=k), "arg": task[1], "inputs": xs, "outputs": ys}}
 
 
 def rows(seed=0):
