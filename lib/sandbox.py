@@ -39,6 +39,7 @@ the worker pool never has to kill its worker; with a --reward-timeout under ~3 s
 """
 
 import json
+import marshal
 import os
 import select
 import shutil
@@ -53,7 +54,8 @@ LIMITS = dict(wall_s=2.0,          # the whole call, interpreter start-up includ
               memory_mb=256,       # RLIMIT_AS, address space of each process
               file_mb=1,           # RLIMIT_FSIZE, the largest file it may write
               open_files=32,       # RLIMIT_NOFILE
-              processes=8,         # RLIMIT_NPROC: counted in its own user namespace (bwrap), or uid 65534's
+              processes=8,         # RLIMIT_NPROC, counted in its user namespace (bwrap), or over uid 65534
+                                   # (a root caller), or over all of this user's processes (a caller's fallback)
               output_kb=64)        # what it prints; more kills the call
 NOBODY = 65534                     # the uid a root caller's candidates run as: RLIMIT_NPROC never binds root
 SYSTEM = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/etc/ld.so.cache")  # what the interpreter may need
@@ -69,7 +71,6 @@ def call(source, name, inputs, limits=None, level=None):
 
 def _call(iso, source, name, inputs, limits):
     start = time.monotonic()
-    task = json.dumps({"source": source, "name": name, "inputs": inputs}).encode()
     config = {"limits": limits, "uid": NOBODY if os.geteuid() == 0 else None,
               "landlock": iso["name"] == "landlock"}
     work = tempfile.mkdtemp(prefix="dapo-sandbox-")
@@ -78,58 +79,64 @@ def _call(iso, source, name, inputs, limits):
         if os.geteuid() == 0:
             os.chown(work, NOBODY, NOBODY)
         config["read"] = _read_roots() if config["landlock"] else []
-        argv = iso["argv"](tell) + [_python(), "-I", "-S", "-c", RUNNER, json.dumps(config)]
+        job = marshal.dumps({"config": config, "task": {"source": source, "name": name, "inputs": inputs}})
+        argv = iso["argv"](tell) + [_python(), "-I", "-S", "-c", RUNNER]
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 cwd=work, env={"LANG": "C.UTF-8"}, start_new_session=True,
                                 pass_fds=(tell,) if tell else ())
         if tell:
             os.close(tell)
+        streams = {"results": proc.stdout.fileno(), "printed": proc.stderr.fileno(), "info": info}
+        got = {"info": b""}
         try:
-            out, error, said = _talk(proc, task, info, start + limits["wall_s"], limits["output_kb"] << 10)
+            got, error = _talk(proc, job, streams, start + limits["wall_s"], limits["output_kb"] << 10)
         finally:
-            _kill(proc, said if info else b"")
+            _kill(proc, got["info"] if info else b"")
     finally:
         if info:
             os.close(info)
         _remove(work)
+    if not got["results"] and got["printed"].startswith(b"bwrap: "):  # the sandbox itself broke: say so
+        raise RuntimeError(f"the sandbox failed: {got['printed'][:200].decode(errors='replace').strip()}")
     outputs = None
     if error is None:
-        outputs, error = _read_outputs(out, len(inputs))
+        outputs, error = _read_outputs(got["results"], len(inputs))
     return {"outputs": outputs, "error": error, "seconds": time.monotonic() - start}
 
 
-def _talk(proc, task, info, deadline, output_cap):
-    """Send the task, then read the results (fd 1), the candidate's output (fd 2) and bwrap's info until they
-    close, the deadline passes or the output overflows. Returns (the results' bytes or None, None or why,
-    bwrap's info)."""
+def _talk(proc, job, streams, deadline, output_cap):
+    """Send the job, then read the results (the runner's fd 1), what it printed (fd 2) and bwrap's info until
+    they close, the deadline passes or the output overflows. Returns ({stream: its bytes}, None or why)."""
     try:
-        proc.stdin.write(task)
+        proc.stdin.write(job)
         proc.stdin.close()
     except OSError:  # it died before reading: its results will say so
         pass
-    results, printed = proc.stdout.fileno(), proc.stderr.fileno()
-    got, cap = {results: bytearray(), printed: bytearray(), info: bytearray()}, \
-        {results: 1 << 20, printed: output_cap, info: 4096}
-    open_fds = {results, printed} | ({info} if info else set())
-    while open_fds:
+    got, cap = {fd: bytearray() for fd in streams.values()}, \
+        {streams["results"]: 1 << 20, streams["printed"]: output_cap, streams["info"]: 4096}
+    open_fds, error = {fd for fd in streams.values() if fd is not None}, None
+    while open_fds and not error:
         left = deadline - time.monotonic()
         if left <= 0:
-            return None, "overran its wall-clock limit", bytes(got[info])
+            error = "overran its wall-clock limit"
+            break
         for fd in select.select(list(open_fds), [], [], left)[0]:
             chunk = os.read(fd, 65536)
             if not chunk:
                 open_fds.discard(fd)
             got[fd] += chunk
             if len(got[fd]) > cap[fd]:
-                return None, "printed more than its output limit", bytes(got[info])
-    return bytes(got[results]), None, bytes(got[info])
+                error = "printed more than its output limit"
+            elif fd == streams["results"] and b"\n" in got[fd]:  # the runner's line: done (a child may hold fd 1)
+                open_fds.clear()
+    return {name: bytes(got[fd]) for name, fd in streams.items()}, error
 
 
 def _read_outputs(data, n):
     """The runner's one line: n [status, value] pairs, or (None, why)."""
     try:
         text = data.decode()
-        outputs = json.loads(text) if text.count("\n") == 1 and text.endswith("\n") else None
+        outputs = json.loads(text) if text.endswith("\n") and text.count("\n") == 1 else None
     except ValueError:
         outputs = None
     if isinstance(outputs, dict) and isinstance(outputs.get("error"), str):
@@ -246,7 +253,7 @@ def _bwrap_level():
     binds += [a for p in roots for a in ("--ro-bind", p, p)]
 
     def argv(info_fd):
-        return [binary, "--info-fd", str(info_fd), *spaces, *caps, "--die-with-parent", "--new-session", *binds, "--dev", "/dev",
+        return [binary, "--info-fd", str(info_fd), *spaces, *caps, "--die-with-parent", *binds, "--dev", "/dev",
                 "--perms", "1777", "--size", str(16 << 20), "--tmpfs", "/sandbox", "--remount-ro", "/",
                 "--chdir", "/sandbox", "--clearenv", "--"]
     version = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout.strip()
@@ -295,14 +302,16 @@ LEVELS = (_bwrap_level, _landlock_level, _rlimits_level)  # strongest first
 # -----------------------------------------------------------------------------------------
 # The runner: the harness's code that starts inside the sandbox, before any of the candidate's
 
-def _runner(config):
-    """Read the task, lock the process down (Landlock, uid, limits), send the candidate's prints to fd 2,
-    then call the function on each input and write the results as one line of plain JSON on fd 1's copy."""
-    import json
+def _runner():
+    """Read the job, lock the process down (Landlock, uid, limits), send the candidate's prints to fd 2, then
+    call the function on each input and write the results as one line of JSON on fd 1's copy. No json module:
+    importing it would double the call's time (_json writes the few types there are)."""
+    import marshal
     import os
     import resource
     import sys
-    task = json.loads(sys.stdin.read())
+    job = marshal.loads(sys.stdin.buffer.read())  # the harness's own bytes
+    config, task = job["config"], job["task"]
     os.close(0)
     results = os.fdopen(os.dup(1), "w")
     try:
@@ -319,7 +328,7 @@ def _runner(config):
                             (resource.RLIMIT_NPROC, limits["processes"])):
             resource.setrlimit(what, (value, value))
     except Exception as e:  # never run the candidate less locked down than the harness said
-        results.write(json.dumps({"error": f"the sandbox could not lock down: {type(e).__name__}: {e}"}) + "\n")
+        results.write('{"error": ' + _json(f"the sandbox could not lock down: {type(e).__name__}: {e}"[:300], 0) + "}\n")
         return
     os.dup2(2, 1)
     sys.stdout = sys.stderr
@@ -328,28 +337,34 @@ def _runner(config):
         exec(compile(task["source"], "<candidate>", "exec"), space)
         fn = space[task["name"]]
     except BaseException as e:
-        results.write(json.dumps({"error": f"the program did not load: {type(e).__name__}"}) + "\n")
+        results.write('{"error": ' + _json(f"the program did not load: {type(e).__name__}"[:200], 0) + "}\n")
         return
     out = []
     for args in task["inputs"]:
         try:
-            out.append(["ok", _plain(fn(*args), 0)])
+            out.append('["ok", ' + _json(fn(*args), 0) + "]")
         except BaseException as e:  # SystemExit and KeyboardInterrupt too: a call that raised
-            out.append(["raised", type(e).__name__[:100]])
-    results.write(json.dumps(out) + "\n")
+            out.append('["raised", ' + _json(str(type(e).__name__)[:100], 0) + "]")
+    results.write("[" + ", ".join(out) + "]\n")
 
 
-def _plain(value, depth):
-    """value as JSON data, by exact type (a subclass could lie in __eq__ or __repr__); TypeError otherwise."""
+def _json(value, depth):
+    """value as JSON text, by exact type (a subclass could lie in __eq__ or __repr__): None, bools, ints below
+    10^100, finite floats, strings, lists and tuples, dicts with string keys; TypeError for anything else."""
     kind = type(value)
-    if value is None or kind in (bool, str) or (kind is int and abs(value) < 10 ** 100):
-        return value
+    if value is None or kind is bool:
+        return {None: "null", True: "true", False: "false"}[value]
+    if kind is int and -10 ** 100 < value < 10 ** 100:
+        return int.__repr__(value)
     if kind is float and value - value == 0:  # finite
-        return value
+        return float.__repr__(value)
+    if kind is str:
+        return '"' + "".join(c if " " <= c and c not in '"\\' and not "\ud800" <= c <= "\udfff" else
+                             "\\u%04x" % ord(c) for c in value) + '"'
     if depth < 20 and kind in (list, tuple):
-        return [_plain(v, depth + 1) for v in value]
+        return "[" + ", ".join(_json(v, depth + 1) for v in value) + "]"
     if depth < 20 and kind is dict and all(type(k) is str for k in value):
-        return {k: _plain(v, depth + 1) for k, v in value.items()}
+        return "{" + ", ".join(_json(k, 0) + ": " + _json(v, depth + 1) for k, v in value.items()) + "}"
     raise TypeError("not plain data")
 
 
@@ -385,8 +400,7 @@ def _landlock(readable):
 
 def _runner_source():
     import inspect
-    return "\n".join(inspect.getsource(f) for f in (_runner, _plain, _landlock)) + \
-        "\nimport sys, json\n_runner(json.loads(sys.argv[1]))\n"
+    return "\n".join(inspect.getsource(f) for f in (_runner, _json, _landlock)) + "\n_runner()\n"
 
 
 RUNNER = _runner_source()

@@ -84,10 +84,12 @@ def test_hostile_candidates_score_lowest_leave_nothing_behind_and_the_run_goes_o
         for name, needs, source in ATTACKS:
             if needs in lv["lacks"]:
                 assert sandbox.LACKS[needs] in lv["line"], (level, name)
+                print(f"{level:8s} {name:28s} not stopped here: its line says it lacks {needs}")
                 continue
             t = time.monotonic()
             got = sandbox.call(source.format(**fill), "f", [[]], limits=FAST, level=lv)
             spent = time.monotonic() - t
+            print(f"{level:8s} {name:28s} {spent:5.2f} s  {str(got['error'] or got['outputs'][0])[:60]}")  # pytest -s
             assert got["outputs"] != [["ok", secret]], (level, name, got)
             assert spent < FAST["wall_s"] + 1.5, (level, name, spent)
             assert not outside.exists() and not os.path.exists(f"/tmp/{marker}"), (level, name)
@@ -108,7 +110,8 @@ def test_hostile_candidates_score_lowest_leave_nothing_behind_and_the_run_goes_o
 def test_the_verdict_reads_only_plain_data_and_the_runner_is_locked_down_first():
     """Outputs are plain JSON, by exact type: an object whose __eq__ says yes to anything, an int subclass, a float
     NaN or a generator is "raised", never a pass; a program that does not load gives an error and no outputs; a
-    call that raises gives ["raised", its type]; and inside, the limits are set before the candidate runs."""
+    call that raises gives ["raised", its type]; inside, the limits are set before the candidate runs; and a
+    bubblewrap that cannot start raises instead of scoring."""
     source = ("import resource\nclass Yes:\n    def __eq__(self, other):\n        return True\nclass Int(int):\n    pass\n"
               "def f(kind):\n    if kind == 'limits':\n"
               "        return [resource.getrlimit(r)[0] for r in (resource.RLIMIT_CPU, resource.RLIMIT_NPROC)]\n"
@@ -120,6 +123,10 @@ def test_the_verdict_reads_only_plain_data_and_the_runner_is_locked_down_first()
     broken = sandbox.call("def f(:\n", "f", [[]])
     assert broken["outputs"] is None and "did not load: SyntaxError" in broken["error"]
     assert "did not load: KeyError" in sandbox.call("def g():\n    return 1", "f", [[]])["error"]
+    if sandbox.isolation()["name"] == "bwrap":  # a sandbox that cannot start raises, in one line: never a silent -1
+        level = dict(sandbox.isolation(), argv=lambda fd: [sandbox.isolation()["argv"](fd)[0], "--no-such-flag"])
+        with pytest.raises(RuntimeError, match="the sandbox failed: bwrap: Unknown option --no-such-flag"):
+            sandbox.call("def f():\n    return 1", "f", [[]], level=level)
 
 
 def test_the_code_task_scores_through_the_sandbox_in_the_reward_workers(tmp_path):
@@ -141,6 +148,7 @@ def test_the_code_task_scores_through_the_sandbox_in_the_reward_workers(tmp_path
                                             timeout=5.0, num_workers=2)
     finally:
         os.chdir(cwd)
+        reward.close_pool()
     assert [r["reward"] for r in results] == [1.0, 1.0, -1.0, -1.0, -1.0, -1.0, -1.0], results
     assert stats["timeouts"] == stats["errors"] == 0 and sandbox.LIMITS["wall_s"] < 5.0
     assert results[0]["answer"] == results[1]["answer"] != results[2]["answer"]
