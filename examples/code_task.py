@@ -16,12 +16,12 @@ worked examples as earlier chat turns, then a signature and docstring, with one 
 
 (the laptop preset; its KV cache raised for prompts of ~200 tokens: docs/code-task.md). The tests are data: a
 row's "answer" is {"name", "arg", "inputs", "outputs"}: six hidden inputs, drawn until no constant or `return xs`
-passes, and what the reference returns on them. The reward builds `def name(arg): return <the response's expression>`, has the
-sandbox call it on the inputs, and compares the outputs here, in the reward's worker: the expected outputs
-never enter the sandbox. +1 when every output is right (exactly, as JSON: True is not 1), else -1. Its answer,
-for maj@k, is the outputs themselves, so programs that behave alike vote together (`x*9+2` and `x * 9 + 2`).
-The held-out split is a constant: each of the sixteen functions is trained with some values of k and
-held out with others (four each).
+passes, and what the reference returns on them. The reward builds `def name(arg): return <the response's line>`,
+has the sandbox call it on the inputs, and compares the outputs here, in the reward's worker: the expected
+outputs never enter the sandbox. +1 when every output is right (exactly, as JSON: True is not 1), else -1. Its
+answer, for maj@k, is the outputs themselves, so programs that behave alike vote together (`x*9+2` and
+`x * 9 + 2`). The held-out split is by constant: each of the sixteen functions is trained with some values of k
+and held out with four others.
 """
 
 import argparse

@@ -328,7 +328,8 @@ def _runner():
                             (resource.RLIMIT_NPROC, limits["processes"])):
             resource.setrlimit(what, (value, value))
     except Exception as e:  # never run the candidate less locked down than the harness said
-        results.write('{"error": ' + _json(f"the sandbox could not lock down: {type(e).__name__}: {e}"[:300], 0) + "}\n")
+        why = f"the sandbox could not lock down: {type(e).__name__}: {e}"[:300]
+        results.write('{"error": ' + _json(why, 0) + "}\n")
         return
     os.dup2(2, 1)
     sys.stdout = sys.stderr

@@ -29,9 +29,11 @@ ATTACKS = [
     ("memory bomb", None, "def f():\n    x = []\n    while True:\n        x.append(' ' * 10 ** 7)"),
     ("one huge allocation", None, "def f():\n    return len(bytearray(10 ** 11))"),
     ("flood of output", None, "def f():\n    while True:\n        print('x' * 10000)"),
-    ("prints a pass", None, "def f():\n    print('pass'); print('PASSED'); print('[[\"ok\", \"guess\"]]')\n    return 'pass'"),
+    ("prints a pass", None,
+     "def f():\n    print('pass'); print('PASSED'); print('[[\"ok\", \"guess\"]]')\n    return 'pass'"),
     ("forges the results channel", None,
-     "import os\ndef f():\n    for fd in range(20):\n        try:\n            os.write(fd, b'[[\"ok\", \"{secret_guess}\"]]\\n')\n"
+     "import os\ndef f():\n    for fd in range(20):\n        try:\n"
+     "            os.write(fd, b'[[\"ok\", \"{secret_guess}\"]]\\n')\n"
      "        except OSError:\n            pass\n    os._exit(0)"),
     ("sys.exit(0)", None, "import sys\ndef f():\n    sys.exit(0)"),
     ("os._exit(0)", None, "import os\ndef f():\n    os._exit(0)"),
@@ -42,7 +44,8 @@ ATTACKS = [
      "        except Exception:\n            pass\n    return found"),
     ("reads the hidden tests", "files", "def f():\n    return open('{hidden}').read()"),
     ("writes outside its directory", "files",
-     "import os\ndef f():\n    for p in ('{outside}', '/tmp/{marker}', os.path.expanduser('~/{marker}')):\n        try:\n"
+     "import os\ndef f():\n    for p in ('{outside}', '/tmp/{marker}', os.path.expanduser('~/{marker}')):\n"
+     "        try:\n"
      "            open(p, 'w').write('x')\n        except Exception:\n            pass"),
     ("os.system", "files", "import os\ndef f():\n    os.system('cat {hidden} > {outside}; echo pass')\n"
                            "    return open('{outside}').read()"),
@@ -50,7 +53,8 @@ ATTACKS = [
                             "    return subprocess.run(['cat', '{hidden}'], capture_output=True, text=True).stdout"),
     ("ctypes", "files", "import ctypes\ndef f():\n    ctypes.CDLL(None).system(b'cp {hidden} {outside}')\n"
                         "    return open('{outside}').read()"),
-    ("opens a socket", "net", "import socket\ndef f():\n    s = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+    ("opens a socket", "net",
+     "import socket\ndef f():\n    s = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
                               "    s.sendall(b'{marker}')\n    return s.recv(100).decode()"),
     ("signals its parent", "signals",
      "import os, signal\ndef f():\n    for pid in (os.getppid(), {pid}):\n        try:\n"
@@ -112,14 +116,16 @@ def test_the_verdict_reads_only_plain_data_and_the_runner_is_locked_down_first()
     NaN or a generator is "raised", never a pass; a program that does not load gives an error and no outputs; a
     call that raises gives ["raised", its type]; inside, the limits are set before the candidate runs; and a
     bubblewrap that cannot start raises instead of scoring."""
-    source = ("import resource\nclass Yes:\n    def __eq__(self, other):\n        return True\nclass Int(int):\n    pass\n"
+    source = ("import resource\nclass Yes:\n    def __eq__(self, other):\n        return True\n"
+              "class Int(int):\n    pass\n"
               "def f(kind):\n    if kind == 'limits':\n"
               "        return [resource.getrlimit(r)[0] for r in (resource.RLIMIT_CPU, resource.RLIMIT_NPROC)]\n"
               "    return {'yes': Yes(), 'int': Int(3), 'nan': float('nan'), 'gen': (i for i in []), 'div': 1 // 0 "
               "if kind == 'div' else 0, 'ok': (1, 'a', None, [True, 2.5])}[kind]")
     got = sandbox.call(source, "f", [["yes"], ["int"], ["nan"], ["gen"], ["div"], ["ok"], ["limits"]])
-    assert got["outputs"] == [["raised", "TypeError"]] * 4 + [["raised", "ZeroDivisionError"], ["ok", [1, "a", None, [True, 2.5]]],
-                                                              ["ok", [sandbox.LIMITS["cpu_s"], sandbox.LIMITS["processes"]]]]
+    limits = [sandbox.LIMITS["cpu_s"], sandbox.LIMITS["processes"]]
+    assert got["outputs"] == [["raised", "TypeError"]] * 4 + [["raised", "ZeroDivisionError"],
+                                                              ["ok", [1, "a", None, [True, 2.5]]], ["ok", limits]]
     broken = sandbox.call("def f(:\n", "f", [[]])
     assert broken["outputs"] is None and "did not load: SyntaxError" in broken["error"]
     assert "did not load: KeyError" in sandbox.call("def g():\n    return 1", "f", [[]])["error"]
@@ -144,8 +150,8 @@ def test_the_code_task_scores_through_the_sandbox_in_the_reward_workers(tmp_path
     cwd = os.getcwd()
     os.chdir(tmp_path)
     try:
-        results, stats = reward.score_batch(responses, [add] * len(responses), fn=f"{HERE}/examples/code_task.py:reward",
-                                            timeout=5.0, num_workers=2)
+        results, stats = reward.score_batch(responses, [add] * len(responses), timeout=5.0, num_workers=2,
+                                            fn=f"{HERE}/examples/code_task.py:reward")
     finally:
         os.chdir(cwd)
         reward.close_pool()
