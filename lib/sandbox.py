@@ -33,9 +33,10 @@ on stderr; `python lib/sandbox.py` prints it, and so does pytest's header):
 A caller that is root runs candidates as uid 65534 at every level (RLIMIT_NPROC never binds root). Each level's
 line names what it lacks (LACKS); nothing is silently less.
 
-The time. LIMITS["wall_s"], 2 s with the interpreter's start-up (a whole call: ~16 ms under bwrap), lies inside dapo.py's
---reward-timeout (5 s), so a reward that calls this once returns its own verdict on a runaway candidate, and
-the worker pool never has to kill its worker; with a --reward-timeout under ~3 s, pass a smaller wall_s.
+The time. LIMITS["wall_s"], 2 s with the interpreter's start-up (a whole call: ~16 ms under bwrap), lies inside
+dapo.py's --reward-timeout (5 s), so a reward that calls this once returns its own verdict on a runaway
+candidate, and the worker pool never has to kill its worker; with a --reward-timeout under ~3 s, pass a smaller
+wall_s.
 """
 
 import json
