@@ -19,6 +19,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
 
 
+def pytest_report_header(config):
+    """The sandbox's isolation here (lib/sandbox.py), at the head of every run's log, CI's included (pytest-xdist
+    prints the controller's header once)."""
+    from lib import sandbox
+    return sandbox.isolation(say=False)["line"]
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu(gpus=1, vllm=False): needs CUDA (and N GPUs, or vLLM's CUDA build)")
     if "gpu" in (config.getoption("markexpr") or "") and "s" not in config.option.reportchars:

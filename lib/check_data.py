@@ -9,7 +9,7 @@ before it starts anything slow.
 A data file is a parquet table in the verl schema (DAPO-Math-17k, AIME-2024), JSON Lines, or a .json
 array. Each row gives `prompt` (or `problem`): a string or a list of {role, content} messages, and
 `reward_model.ground_truth` (or `answer`): a string or a number for the math checker; with a reward of one's
-own (`--reward SPEC`, given before the files), any value (an object, a list). Every other column is kept
+own (`--reward SPEC`, before or after the files), any value (an object, a list). Every other column is kept
 for the reward. A model is a Hugging Face directory
 (config.json, safetensors weights) or hub name; a checkpoint is dapo.py's checkpoints/step_N. A good
 input prints what it holds; a bad one prints one line naming the file, the row and the fix, and
@@ -492,11 +492,11 @@ def cpu_batch_note(cfg):
 
 
 def main(args):
-    any_answer = False  # --reward SPEC: the files after it are scored by a reward of one's own
+    any_answer = any(kind == "--reward" for kind, _ in args)  # the files are scored by a reward of one's own
     try:
         for kind, path in args:
             if kind == "--reward":
-                any_answer = True
+                continue
             elif kind == "--model":
                 print(f"{path}: {len(hf_weight_files(path)[1])} tensors, "
                       f"{check_model(path).model_type} model")

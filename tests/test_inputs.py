@@ -413,6 +413,19 @@ def test_check_data_tool_runs_on_its_own(tmp_path):
     assert "`answer` must be a string or a number for the math checker, got a boolean" in out.stderr
 
 
+def test_check_data_takes_reward_before_or_after_the_files(tmp_path):
+    """lib/check_data.py --reward SPEC relaxes the answer check (a dict answer, as a reward of one's own reads it)
+    for every file, whether the flag comes before or after them; without it the same file is refused in one line."""
+    rows = tmp_path / "code.jsonl"
+    rows.write_text('{"prompt": "def f(x):", "answer": {"inputs": [1], "outputs": [2]}}\n' * 2)
+    run, spec = [sys.executable, "lib/check_data.py"], "examples/code_task.py:reward"
+    for argv in ([str(rows), "--reward", spec], ["--reward", spec, str(rows)]):
+        out = _run(run + argv, timeout=60)
+        assert out.returncode == 0 and out.stdout == f"{rows}: 2 rows, 1 distinct prompts\n", (argv, out)
+    out = _run(run + [str(rows)], timeout=60)
+    assert out.returncode == 2 and "must be a string or a number for the math checker" in out.stderr, out
+
+
 def test_a_bad_reward_is_refused_in_one_line_before_vllm_starts(tmp_path):
     """A --reward whose module does not import (missing, a syntax error, an exception, a crash), a missing file
     or function, a function that cannot take (response, row), or a malformed spec: dapo.py exits 2 with one line
