@@ -1540,9 +1540,9 @@ def prompt_runs(samples, shared=True):
 
 def shared_parts(samples, runs, beta):
     """sdpa's rule (the comment above SDPA_SHARED_MAX) on a micro-batch's runs: each run cut into consecutive parts
-    of at most `cap` positions, for the cap whose rows x L x (beta + L) is least (the smaller on a tie): the
-    longest copy of a prompt and its response (the rows keep their length), or a run's whole length, up to
-    SDPA_SHARED_MAX."""
+    of at most `cap` positions, for the cap whose rows x L x (beta + L) is least (the smaller on a tie): none (a
+    copy per response), the longest copy of a prompt and its response (the rows keep their length), or a run's
+    whole length, up to SDPA_SHARED_MAX."""
     P = {r[0]: len(samples[r[0]]["prompt_ids"]) for r in runs}
     n = [response_len(s) for s in samples]
 
@@ -1559,7 +1559,8 @@ def shared_parts(samples, runs, beta):
         return len(first_fit_decreasing(sizes, L)) * L * (beta + L), parts  # collate's rows, tails included
     copies = max(P[r[0]] + n[i] for r in runs for i in r)
     caps = {copies} | {min(P[r[0]] + sum(n[i] for i in r), SDPA_SHARED_MAX) for r in runs}
-    return min((cut(cap) for cap in sorted(c for c in caps if c >= copies)), key=lambda x: x[0])[1]
+    # cap 0: a copy per response; the others merge a run's responses up to the cap, which can pack rows worse
+    return min((cut(cap) for cap in [0] + sorted(c for c in caps if c >= copies)), key=lambda x: x[0])[1]
 
 
 def collate(samples, pad_id, device, one_row=False, shared=False):

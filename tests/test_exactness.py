@@ -275,7 +275,10 @@ def test_shared_prefix_by_default_shares_where_it_pays():
     assert parts(100, [300] * 8, 1e12) == [1] * 8
     two = [{"prompt_ids": [g] * 100, "len": 250} for g in (1, 2) for _ in range(8)]
     assert [len(r) for r in dapo.prompt_runs(two, 1e12)] == [7, 1, 7, 1]
-    assert parts(8, [100, 5, 5, 5, 100, 100, 100, 100], 1024) == [1, 3, 1, 1, 1, 1]   # within the longest copy: free
+    # within the longest copy (108): three 30-token responses in one part fill a row their copies needed two for;
+    # three 5-token ones share a row as copies too, so sharing them saves nothing (a tie goes to copies)
+    assert parts(8, [100, 30, 30, 30, 100, 100, 100, 100], 1024) == [1, 3, 1, 1, 1, 1]
+    assert parts(8, [100, 5, 5, 5, 100, 100, 100, 100], 1024) == [1] * 8
     import random
     rng = random.Random(0)
     samples = []

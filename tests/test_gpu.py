@@ -368,11 +368,11 @@ sys.path[:0] = [{HERE!r}, {os.path.join(HERE, "tools")!r}]
 import dapo, trainer_check as tc
 cpu, rows, kept = torch.device("cpu"), [], []
 dapo.init_distributed()
-with tc.alone(cpu):
+with tc.alone(cpu, rows.append, "tiny"):
     tc.check_step("tiny", cpu, {str(tmp_path)!r}, rows.append)
 print("checked", [r["check"] for r in rows], len(tc.ALIVE))
 try:
-    with tc.alone(cpu):
+    with tc.alone(cpu, rows.append, "tiny"):
         path = tc.model_dir("", root={str(tmp_path)!r})
         kept.append(tc.random_policy(tc.config_for("tiny", path, cpu), path, cpu))
 except RuntimeError as e:
@@ -503,7 +503,7 @@ def test_bench_step_run_holds_what_the_update_records_on_cuda(monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_shared_prompt_under_flex_gives_the_plain_gradient(cuda, tmp_path):
-    """The default CUDA update's layout: one group (a 512-token prompt, 8 responses of 1,024-4,003 tokens: 22,528
+    """The default CUDA update's layout: one group (a 512-token prompt, 8 responses of 1,024-3,712 tokens: 23,040
     positions as copies) in one row, its prompt forwarded once under flex attention's block mask, against a copy
     of the prompt per response: log-probs and each gradient group (q, k, v projections, the rest) against its own
     scale, in fp32 and in bf16 under the trainer's FSDP2 mixed precision (tools/trainer_check.py's check, which
@@ -513,7 +513,7 @@ def test_gpu_shared_prompt_under_flex_gives_the_plain_gradient(cuda, tmp_path):
     import trainer_check
     rows = []
     dapo.init_distributed()
-    with trainer_check.alone(cuda):
+    with trainer_check.alone(cuda, rows.append, "Qwen2.5-1.5B"):
         trainer_check.check_shared("1.5b", cuda, str(tmp_path), rows.append)
         trainer_check.check_kernels("1.5b", cuda, str(tmp_path), rows.append)
     print("\n".join(trainer_check.table(rows)))
