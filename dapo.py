@@ -19,8 +19,7 @@ Part 1 is DAPO in run order: the config, the records of a sample and of the run,
 equations as pure functions, train() (Algorithm 1), the rollout, the update, evaluation. Part 2
 adds what came after DAPO, each behind a flag and off by default; Part 3 is the plumbing (vLLM in
 this process, FSDP2, packed rows, checkpoints, logs). Where Part 1 calls Part 2 or 3, the line
-says so and what the call gives. Beside it: reward.py (Eq. 7's checker), lib/ (what it imports),
-tools/ (scripts that import it), examples/ (tasks of one's own).
+says so and what the call gives. Beside it: reward.py (Eq. 7's checker), lib/, tools/, examples/.
 """
 
 import atexit
@@ -90,15 +89,14 @@ class DapoConfig:
 # -----------------------------------------------------------------------------------------
 # The sample: one dict per response, filled in as the step runs. Key: who sets it, what it holds
 # (the keys that only Part 2 or 3 reads: in Part 3, above set_up).
-#   response_ids, vllm_logp  vLLM (generate, Part 3): the response's token ids, EOS included; log
-#                          π_rollout of each
+#   response_ids           vLLM (generate, Part 3): the response's token ids, EOS included
+#   vllm_logp              vLLM: log π_rollout of each response token
 #   len, truncated         vLLM: |o_i|; whether generation was cut at --max-response-len
 #   text                   generate: the decoded response, which the reward reads
 #   score, success         --reward, the function reward.py calls (Eq. 7: R = ±1 and the verdict; a
 #                          reward of one's own: any number, and whether it counts as a success)
 #   answer, metrics        --reward, where it gives them: the answer read (maj@k); score/<name>
-#   failed                 --reward raised, crashed, overran or returned garbage: it scores its
-#                          group's lowest, at most -1 (reward.score_batch)
+#   failed                 --reward raised, overran or gave garbage (scored its group's lowest)
 #   reward                 shape_rewards: the score plus Eq. 13's penalty (what Eq. 9 reads)
 #   adv                    set_advantages: A_i (Eq. 9, or --adv-estimator's)
 #   trained                overlong_filtering (Sec. 3.4): False masks the sample's loss
@@ -107,9 +105,8 @@ class DapoConfig:
 #
 # The run: what set_up (Part 3) builds for the loop. Key: what it holds.
 #   cfg, device            the Config; this rank's accelerator (or the CPU)
-#   model, opt             π_θ, sharded with FSDP2 (fp32 master weights), and its AdamW.
-#                          model.forward_logprobs(batch, T, chunk) (Part 3): (B, R) log π_θ and
-#                          entropy of each response token at temperature T; it changes no weight
+#   model, opt             π_θ (FSDP2, fp32 master weights) and its AdamW; model.forward_logprobs(
+#                          batch, T, chunk) (Part 3): (B, R) log π_θ and entropy of each token, at T
 #   train_rows, train_ids  the data rows, their prompts' token ids (eval_rows, eval_ids: held out)
 #   sampler                an endless shuffled pass over train_rows: take(k) gives k row indices
 #   state, ckpt            what a checkpoint saves (the step, the data order, the first evaluation,
@@ -213,8 +210,8 @@ def warmup_lr(step, cfg):
 
 # -----------------------------------------------------------------------------------------
 # The loop: the paper's Algorithm 1. Part 2 enters through five hooks, each off at DAPO's defaults
-# (the README's Forking says when each runs and under which flags): after_rollout, select_tokens,
-# loss_terms, adjust_token_losses (in policy_loss) and end_of_step.
+# (the README's Forking says when each runs): after_rollout, select_tokens, loss_terms,
+# adjust_token_losses (in policy_loss), end_of_step.
 
 def train(cfg):
     """Algorithm 1, its line numbers in the comments. Returns held-out metrics (before, after)."""
@@ -280,12 +277,7 @@ def sample_groups(run, rows, prompt_ids, idx, n, temperature, top_p, key):
     for s, r in zip(local, results):
         s["score"], s["success"] = r["reward"], r["success"]  # score: --reward's value (unshaped)
         s.update((k, r[k]) for k in ("answer", "metrics", "failed") if k in r)
-    stats = {"time/rollout": t1 - t0, "time/reward": time.perf_counter() - t1,
-             "reward/timeouts": rstats["timeouts"], "reward/errors": rstats["errors"],
-             "gen/tokens": sum(s["len"] for s in local),
-             "gen/nll": -sum(sum(s["vllm_logp"]) for s in local),  # entropy/generated's estimate
-             "gen/distinct": sum(len({tuple(s["response_ids"]) for s in local[i:i + n]})
-                                 for i in range(0, len(local), n))}  # Sec. 3.1's diversity
+    stats = rollout_stats(local, n, rstats, t0, t1)  # Part 3: times, failures, gen/* (the logs')
     return share_groups(run, local, idx, prompt_ids, n, stats)  # Part 3: groups of n, idx's order
 
 
@@ -424,13 +416,7 @@ def evaluate(run, tag):
     avg = [sum(s["success"] for s in g) / k for g in groups]
     out = {f"eval/avg@{k}": sum(avg) / len(idx),
            f"eval/pass@{k}": sum(pass_at_k(k, round(a * k), k) for a in avg) / len(idx)}
-    if any("answer" in s for g in groups for s in g):  # the reward reads answers: majority vote
-        votes = [reward.majority_correct([s.get("answer") for s in g], [s["success"] for s in g],
-                                         cfg.reward_timeout, cfg.reward_workers,
-                                         by_equivalence=cfg.reward == reward.MATH) for g in groups]
-        answered = [sum(s.get("answer") is not None for s in g) / k for g in groups]  # the format
-        out.update({f"eval/maj@{k}": sum(votes) / len(idx),
-                    "eval/answered": sum(answered) / len(idx)})
+    out.update(majority_votes(groups, cfg, k))  # Part 3: maj@k, where the reward reads answers
     out.update(by_level([rows[i] for i in idx], avg, k))  # Part 3: by difficulty, where rows say
     print0(f"eval ({tag}): " + "  ".join(f"{name} {v:.3f}" for name, v in out.items()))
     return out
@@ -1110,6 +1096,18 @@ def my_prompts(n, tp):
     return list(range(rank() // tp, n, world() // tp))
 
 
+def rollout_stats(local, n, rstats, t0, t1):
+    """sample_groups' statistics of one call's samples on this rank (`local`, groups of n), which collect_batch
+    sums over a step's generation batches: generation's and the reward's times (t0, t1: their starts), the
+    reward's timeouts and errors, and the sums log_step divides: tokens, -log π_rollout (entropy/generated's
+    estimate) and distinct responses per group (Sec. 3.1's diversity)."""
+    return {"time/rollout": t1 - t0, "time/reward": time.perf_counter() - t1,
+            "reward/timeouts": rstats["timeouts"], "reward/errors": rstats["errors"],
+            "gen/tokens": sum(s["len"] for s in local), "gen/nll": -sum(sum(s["vllm_logp"]) for s in local),
+            "gen/distinct": sum(len({tuple(s["response_ids"]) for s in local[i:i + n]})
+                                for i in range(0, len(local), n))}
+
+
 def share_groups(run, local, idx, prompt_ids, n, times):
     """sample_groups' exchange: every rank gets every group, in order, with what the decisions need (the
     score, success, answer and metrics, length, truncation); tokens stay where they were generated ("src").
@@ -1691,6 +1689,17 @@ def add_stats(sums, stats, tokens, sequences, loss):
         sums[k] = sums.get(k, 0.0) + float(v) * (sequences if k.endswith("_seq_frac") else tokens)
     for k, v in (("tokens", tokens), ("sequences", sequences), ("loss", loss)):
         sums[k] = sums.get(k, 0.0) + v
+
+
+def majority_votes(groups, cfg, k):
+    """evaluate's maj@k (the paper's cons@k) and the share of responses with an answer (the format followed),
+    where the reward reads answers; else nothing. The math checker votes by equivalence class."""
+    if not any("answer" in s for g in groups for s in g):
+        return {}
+    votes = [reward.majority_correct([s.get("answer") for s in g], [s["success"] for s in g], cfg.reward_timeout,
+                                     cfg.reward_workers, by_equivalence=cfg.reward == reward.MATH) for g in groups]
+    answered = [sum(s.get("answer") is not None for s in g) / k for g in groups]
+    return {f"eval/maj@{k}": sum(votes) / len(groups), "eval/answered": sum(answered) / len(groups)}
 
 
 def by_level(rows, avg, k):
