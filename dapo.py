@@ -350,7 +350,7 @@ def update_policy(run, samples, step):
     for g in run.opt.param_groups:
         g["lr"] = lr
     # Part 3: μ contiguous slices of B/μ samples in kept order, no shuffle (check_config makes μ x
-    # ranks divide B: every sample trains); of each, this rank's share, cut into micro-batches
+    # ranks divide B: every sample in one); of each, this rank's share, cut into micro-batches
     minis, my_micros = micro_batches(samples, cfg, run.share)
     totals, grad_norms, skipped, sync = None, [], 0, {}
     with tf32_head(run.device, cfg):  # Part 3: CUDA in bf16: the fp32 head as TF32; else nothing
@@ -426,7 +426,7 @@ def evaluate(run, tag):
 # Part 2: after DAPO. What came later, each behind its own flag and off by default: objectives
 # (OBJECTIVES), advantage estimators (ADV_ESTIMATORS), rollout corrections, the KL penalty, a token
 # selection, carried surplus, skipped prompts, LoRA. Part 1 reaches them through the two tables and
-# after_rollout, select_tokens, loss_terms and adjust_token_losses.
+# five hooks: after_rollout, select_tokens, loss_terms, adjust_token_losses and end_of_step.
 # =========================================================================================
 # The settings of what came after DAPO, each off by default (OBJECTIVES gives each --loss's preset)
 
