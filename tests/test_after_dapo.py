@@ -657,8 +657,8 @@ def _adaptive_end_of_step(state, metrics, step, cfg):
 
 
 ADAPTIVE = dict(token_loss=_adaptive_token_loss, state=_adaptive_state, end_of_step=_adaptive_end_of_step)
-# Small: 8 prompts x 8 responses, 2 mini-batches, no evaluation; 2 steps, resumed after the first
-RESUME_ARGS = ["--demo-sft-target", "0.1", "--prompts-per-step", "8", "--gen-batch-size", "12", "--num-mini-batches",
+# Small: 4 prompts x 8 responses, 2 mini-batches, no evaluation; 2 steps, resumed after the first
+RESUME_ARGS = ["--demo-sft-target", "0.1", "--prompts-per-step", "4", "--gen-batch-size", "8", "--num-mini-batches",
                "2", "--micro-batch-size", "16", "--warmup-steps", "1", "--lr", "5e-4", "--eval-samples", "0",
                "--steps", "2", "--save-every", "1"]
 
@@ -688,7 +688,8 @@ def test_every_objective_resumes_bit_for_bit_and_a_stateful_one_on_2_ranks_too(t
         assert rows["straight"] == rows["resumed"] and final["straight"] == final["resumed"], (ranks, loss)
         if loss == "adaptive":
             eps = [(r["adaptive/eps_low"], r["adaptive/eps_high"]) for r in rows["straight"]]
-            print(f"{ranks} process(es): (ε_low, ε_high) after each step {eps}, state {final['straight']}")
+            print(f"{'1 process' if ranks == 'one' else '2 ranks'}: (ε_low, ε_high) after each step {eps}, "
+                  f"state {final['straight']}")
             assert [r["adaptive/lag"] for r in rows["straight"]] == [1.0, 1.0] and final["straight"]["step"] == 2
             assert eps[0][1] > dapo.Config().eps_high and eps[1][1] > eps[0][1]   # few tokens push up: it rises
             assert rows["lost"][1]["adaptive/lag"] == 2.0   # restarted from its start: the step before is lost
