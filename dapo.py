@@ -13,27 +13,13 @@ Naive GRPO is: --eps-high 0.2 --no-dynamic-sampling --no-token-level-loss
                --no-overlong-filtering --no-soft-overlong-punishment
 
     python dapo.py                                  # built-in tiny model + task, CPU, minutes
-    python dapo.py --model Qwen/Qwen2.5-0.5B --train-data dapo-math-17k.parquet \\
-        --eval-data aime-2024.parquet               # 1 GPU
-    torchrun --nproc_per_node=8 dapo.py --model ... # one 8-GPU node
-    bash run_32b.sh                                 # the paper's 32B run, multi-node
-    python tools/plan.py --model ...                # what each GPU and node will hold
-    python tools/gpu_check.py --model ...           # first, on a new GPU machine
-A real 135M-parameter model on a laptop (2 CPU cores, the LAPTOP preset): held-out accuracy on
-2-digit sums rises from ~0.1 to ~0.6-0.7, the whole command in ~4.3 minutes (docs/real-model.md):
-    python examples/fewshot_addition.py data/add
-    python dapo.py --model $(python tools/real_model.py) --train-data data/add/train.jsonl \\
-        --eval-data data/add/eval.jsonl
+    torchrun --nproc_per_node=8 dapo.py --model ... # one 8-GPU node; the README: every set-up
 
-The file has three parts. Part 1 is DAPO and what runs it, in run order: the config, the records
-of a sample and of the run, the paper's equations as pure functions, train() (Algorithm 1), the
-rollout and its filter, the update, evaluation. It leaves out what came after DAPO; Part 2 adds it,
-each behind a flag and off by default: later objectives and advantage estimators (the tables
-OBJECTIVES and ADV_ESTIMATORS), rollout corrections, a KL penalty, carried surplus, skipped
-prompts, LoRA. Part 3 is the plumbing: vLLM in this process, FSDP2, packed rows, checkpoints, logs.
-Where Part 1 calls Part 2 or 3, the line says so and what the call gives; where it matters only on
-several ranks, it says that too. Beside this file: reward.py (Eq. 7's checker), lib/ (what this
-file imports), tools/ (scripts that import it), examples/ (tasks of one's own).
+Part 1 is DAPO in run order: the config, the records of a sample and of the run, the paper's
+equations as pure functions, train() (Algorithm 1), the rollout, the update, evaluation. Part 2
+adds what came after DAPO, each behind a flag and off by default; Part 3 is the plumbing (vLLM in
+this process, FSDP2, packed rows, checkpoints, logs). Where Part 1 calls Part 2 or 3, the line
+says so and what the call gives. Beside it: reward.py (Eq. 7's checker), lib/, tools/, examples/.
 """
 
 import atexit
@@ -66,21 +52,18 @@ from lib.check_data import InputError as DapoError
 from lib.check_data import check_checkpoint, check_model, check_weights, cpu_batch_note, field_helps
 from lib.check_data import latest_checkpoint, load as load_data, one_line, step_dirs
 
-
 # =========================================================================================
 # Part 1: DAPO
 # =========================================================================================
-# The settings: each field is a flag (`eps_high` -> --eps-high), its comment the --help text. A
-# numeric field's range stands in braces ({>= 1}, {> 0}, {(0, 1]}: check_config reads it there);
-# one with none must be >= 0, and its comment says what 0 means. DAPO's and the run's are here;
-# after DAPO's are AfterDapoConfig (Part 2), the hardware's SystemConfig (Part 3).
+# DAPO's settings: each field is a flag (`eps_high` -> --eps-high), its comment the --help text; a
+# numeric field's range stands in braces (check_config reads it there), or it must be >= 0. After
+# DAPO's: AfterDapoConfig (Part 2); the run's (model, data, steps, ...) and the hardware's: Part 3.
 
 @dataclass
 class DapoConfig:
     # DAPO: Table 1's techniques (each one flag: the table is a set of command lines)
     eps_low: float = 0.2             # ε_low (Eq. 10) {(0, 1]}
-    eps_high: float = 0.28           # ε_high, Clip-Higher (Sec. 3.1); 0.2 = symmetric GRPO clip
-    #  {> 0}
+    eps_high: float = 0.28           # ε_high, Clip-Higher (Sec. 3.1); GRPO's: 0.2 {> 0}
     dynamic_sampling: bool = True    # Eq. 11: keep groups with 0 < #correct < G, refill the batch
     token_level_loss: bool = True    # Eq. 12: normalise by all tokens; off = GRPO's per-sample mean
     overlong_filtering: bool = True  # Sec. 3.4: mask the loss of truncated samples
@@ -89,116 +72,55 @@ class DapoConfig:
     # DAPO: the paper's hyper-parameters (Sec. 4.1)
     prompts_per_step: int = 512      # N: prompts (groups) in one training batch {>= 1}
     group_size: int = 16             # G: responses sampled per prompt {>= 2: Eq. 9 needs a group}
-    gen_batch_size: int = 1536       # prompts per generation batch (the reference run: 3 x 512)
-    #  {>= 1}
+    gen_batch_size: int = 1536       # prompts per generation batch (the reference run: 3N) {>= 1}
     max_gen_batches: int = 10        # give up filling one batch after this many generation batches,
-    #  or sooner if those left could not fill it at twice the keep rate so far (none kept: at once)
-    #  {>= 1: there is no "no limit": give a large number}
+    #  or sooner if those left could not fill it at twice the pass rate so far (none passed: at
+    #  once) {>= 1: there is no "no limit": give a large number}
     max_response_len: int = 20480    # L_max (Eq. 13): generation stops here (truncated) {>= 1}
-    temperature: float = 1.0         # sampling temperature for training rollouts
-    #  {[0.01, 2]: vLLM's range}
-    top_p: float = 1.0               # top-p of training rollouts: 1 (π_θold ignores a cut) {(0, 1]}
+    temperature: float = 1.0         # sampling temperature of rollouts {[0.01, 2]: vLLM's range}
+    top_p: float = 1.0               # top-p in training: only 1 (π_θold ignores a cut)
     num_mini_batches: int = 16       # μ: gradient updates per rollout step {>= 1}
     lr: float = 1e-6                 # AdamW learning rate {> 0}
     warmup_steps: int = 20           # linear warm-up, in rollout steps; 0 = none
     weight_decay: float = 0.1        # AdamW weight decay (the reference run's); 0 = none
-    grad_clip: float = 1.0           # max global grad norm; 0 = no clipping (the norm is still
-    #  logged)
-    # the run: model, data, steps, evaluation, checkpoints
-    model: str = ""                  # HF model dir or hub name; "" = the built-in tiny demo model
-    train_data: str = ""             # parquet (verl schema), JSONL or a .json array; "" = the
-    #  built-in task
-    eval_data: str = ""              # held-out file, same formats; "" = built-in held-out split
-    task: str = "add"                # built-in task: add (2-digit sums) or carry (1-5 columns, the
-    #  ladder's)
-    reward: str = "reward:math_reward"  # R (Eq. 7): module:function or path/to/file.py:function,
-    #  called as fn(response, row) -> bool, number or dict (reward.py's docstring), in the checker's
-    #  worker processes, which import it at start-up; the trainer's never does. Default: reward.py's
-    #  math checker
-    max_prompt_len: int = 2048       # longer prompts are dropped at load time {>= 1}
-    steps: int = 200                 # rollout steps {>= 1}
-    seed: int = 0                    # everything random derives from this (>= 0)
-    eval_every: int = 0              # evaluate every N rollout steps; 0 = only before and after
-    eval_samples: int = 4            # k of avg@k on the held-out set; 0 = no evaluation
-    eval_temperature: float = 1.0    # the paper's evaluation sampling {[0.01, 2]: vLLM's range}
-    eval_top_p: float = 0.7          # the paper's evaluation sampling {(0, 1]}
-    eval_max_prompts: int = 0        # evaluate on at most this many held-out prompts; 0 = all
-    out_dir: str = "runs/dapo"       # metrics, samples and checkpoints go here
-    save_every: int = 0              # checkpoint every N rollout steps; 0 = only at the end
-    resume: bool = False             # continue from the latest checkpoint in out_dir
-    eval_only: bool = False          # evaluate --model (or, with --resume, the latest checkpoint)
-    #  and exit
+    grad_clip: float = 1.0           # max global grad norm; 0 = no clipping (the norm still logged)
 
 
 # -----------------------------------------------------------------------------------------
-# The sample: one dict per response, filled in as the step runs. Key: who sets it, what it holds.
-#   row, pos, prompt_ids   share_groups (Part 3): the prompt's data row, its place in the batch, ids
-#   src                    share_groups: the rank that generated it (and holds its tokens)
-#   response_ids           vLLM: the response's token ids, EOS included (absent on a stub: trainer)
-#   vllm_logp              vLLM: log π_rollout of each response token (absent on a stub)
+# The sample: one dict per response, filled in as the step runs. Key: who sets it, what it holds
+# (the keys that only Part 2 or 3 reads: in Part 3, above set_up).
+#   response_ids           vLLM (generate, Part 3): the response's token ids, EOS included
+#   vllm_logp              vLLM: log π_rollout of each response token
 #   len, truncated         vLLM: |o_i|; whether generation was cut at --max-response-len
-#   text                   generate (Part 3): the decoded response (to_trainers drops it)
+#   text                   generate: the decoded response, which the reward reads
 #   score, success         --reward, the function reward.py calls (Eq. 7: R = ±1 and the verdict; a
-#                          reward of one's own: any number, and whether it counts as a success).
-#                          "score" is that function's value, "reward" the shaped one below; in the
-#                          metrics score/* and reward/mean follow, but reward/errors and
-#                          reward/timeouts count the function's failures
+#                          reward of one's own: any number, and whether it counts as a success)
 #   answer, metrics        --reward, where it gives them: the answer read (maj@k); score/<name>
-#   failed                 --reward raised, crashed, overran or returned garbage: it scores its
-#                          group's lowest, at most -1 (reward.score_batch)
+#   failed                 --reward raised, overran or gave garbage (scored its group's lowest)
 #   reward                 shape_rewards: the score plus Eq. 13's penalty (what Eq. 9 reads)
 #   adv                    set_advantages: A_i (Eq. 9, or --adv-estimator's)
 #   trained                overlong_filtering (Sec. 3.4): False masks the sample's loss
-#   trainer                to_trainers (Part 3): the rank that trains it; on every other rank the
-#                          sample is a stub (no tokens), which the update reads only for its length
-#   old_logp               log π_θold of each response token, (|o_i|,), the trainer's before any
-#                          update of the step (Part 3): a no-grad pass over every mini-batch but
-#                          the first (old_logprobs); the first's is its own forward, detached, as
-#                          no step has run yet (old_logp_of), unless select_tokens needs it first
-#                          (--top-entropy-quantile; an OBJECTIVES entry with "picks"). check_sync
-#                          compares it with vllm_logp before the first optimizer step
-#   ref_logp, old_entropy  old_logprobs (Part 3): log π_ref (--kl-coef); π_θold's entropy
-#                          (--top-entropy-quantile)
-#   carried                --carry-surplus (Part 2): a group of the step before
-#   dummy                  micro_batches (Part 3): a zero-weight stub keeping FSDP's ranks in step
-#                          (on several ranks only: one process never has one)
+#   old_logp               log π_θold of each response token: the trainer's, before the step's first
+#                          optimizer step (Part 3: old_logprobs, old_logp_of)
 #
 # The run: what set_up (Part 3) builds for the loop. Key: what it holds.
 #   cfg, device            the Config; this rank's accelerator (or the CPU)
-#   llm, tokenizer, pad_id vLLM in this process (it samples from π_θold); the tokenizer; its pad id.
-#                          push_weights (Part 3) makes it π_θ once a step: every state_dict tensor
-#                          (a tied lm_head too) in ONE reload_weights call, a vLLM parameter left
-#                          unwritten refused, the prefix cache reset (on CUDA, vLLM asleep while
-#                          the trainer works, woken around it); check_sync then compares vLLM's
-#                          log-probs of the next step's samples with π_θold's (--max-sync-diff)
-#   model, opt             π_θ, sharded with FSDP2 (fp32 master weights), and its AdamW.
-#                          model.forward_logprobs(batch, T, chunk) (Part 3): (B, R) log π_θ and
-#                          entropy of each response token: the decoder over packed rows, then an
-#                          fp32 log-softmax at T and a gather; it changes no weight
+#   model, opt             π_θ (FSDP2, fp32 master weights) and its AdamW; model.forward_logprobs(
+#                          batch, T, chunk) (Part 3): (B, R) log π_θ and entropy of each token, at T
 #   train_rows, train_ids  the data rows, their prompts' token ids (eval_rows, eval_ids: held out)
 #   sampler                an endless shuffled pass over train_rows: take(k) gives k row indices
-#   state, ckpt            what a checkpoint saves (step, data order, the first evaluation); the
-#                          checkpoint resumed, or None
-#   carried, solved, ref   after DAPO (Part 2): --carry-surplus's groups, --skip-solved's record,
-#                          π_ref (--kl-coef)
-#   path                   the model directory loaded (on resume, the checkpoint's export)
-#   sleep                  whether vLLM frees its memory while the trainer works (CUDA, vllm_sleep)
-#   logs                   rank 0's open metrics.jsonl and samples.jsonl in --out-dir (others: none)
-#   step, bar, clock       steps_left (Part 3), each step: its number from 1, the tqdm bar, the
-#                          phases' start times (to_trainers and push_weights stamp theirs)
-#   meta_bytes             the bytes share_groups received this step (to_trainers reports them)
-#   gpu                    on CUDA, each phase's GPU memory this step (gpu_phase, Part 3)
-#   share                  --shared-prefix resolved (sharing, Part 3): True, each group's prompt
-#                          forwarded once; False, a copy per response; under sdpa, a cost rule
+#   state, ckpt            what a checkpoint saves (the step, the data order, the first evaluation,
+#                          a --loss's own state); the checkpoint resumed, or None
+#   (what Part 1 only hands to Part 2 and 3, as carried, pad_id, share, path: in Part 3)
 
 
 # -----------------------------------------------------------------------------------------
-# The maths, in the paper's order (Eq. 7, the reward, is reward.py's): pure functions.
+# The maths, in the paper's order (Eq. 7, the reward, is reward.py's): pure functions, Eq. 8 to
+# Eq. 13, then Sec. 4.1's warm-up. What the step writes into its samples follows train().
 
-# What an objective reads of one micro-batch, per token, (B, T) each: Eq. 9's r_{i,t} ("ratio", and
-# its log) and Â_{i,t} ("adv", (B, 1): A_i on every token of o_i), the log-probs they come from, the
-# mask of the trained tokens; for a later objective (Part 2), vLLM's own log-probs (else π_θold's)
-# and the tokens it picked over the whole mini-batch (1s; else none).
+# What an objective reads of one micro-batch, (B, T) each: Eq. 9's r_{i,t} ("ratio", and its log)
+# and Â_{i,t} ("adv", (B, 1): A_i on every token of o_i), the log-probs, the trained tokens' mask;
+# for Part 2's objectives, vLLM's log-probs (else π_θold's) and the tokens picked (else 0s).
 Tokens = NamedTuple("Tokens", [(name, torch.Tensor) for name in (
     "logp", "old_logp", "log_ratio", "ratio", "adv", "mask", "rollout_logp", "picked")])
 # Eq. 12's denominator, decided once per mini-batch (loss_normaliser): each sample's mean first
@@ -219,7 +141,8 @@ def policy_loss(logp, old_logp, advantages, mask, cfg, denom=None, more=None):
     rollout, picked = more.get("rollout_logp", old_logp), more.get("picked", torch.zeros_like(mask))
     t = Tokens(logp, old_logp, log_ratio, ratio, advantages.unsqueeze(-1), mask, rollout, picked)
     token_loss = dapo_token_loss if cfg.loss == "dapo" else OBJECTIVES[cfg.loss]["token_loss"]
-    per_token, low, high, *own = token_loss(t, cfg)  # Eq. 10; a later --loss: Part 2's table
+    # Eq. 10; a later --loss: Part 2's table; one that keeps state also gets it and the step
+    per_token, low, high, *own = token_loss(t, cfg, *more.get("objective", ()))
     stats = own[0] if own else {}
     if more or cfg.dual_clip:  # a flag after DAPO is set: never at DAPO's defaults
         per_token = adjust_token_losses(per_token, t, cfg, more, stats)  # Part 2: (B, T) again
@@ -279,25 +202,16 @@ def overlong_penalty(lengths, max_len, cache_len):
     return torch.where(lengths > max_len, torch.full_like(lengths, -1.0), soft.clamp(max=0.0))
 
 
-def overlong_filtering(samples, cfg):
-    """Sec. 3.4, overlong filtering: a truncated sample teaches nothing; its loss is masked."""
-    for s in samples:
-        s["trained"] = not (cfg.overlong_filtering and s["truncated"])
-
-
 def warmup_lr(step, cfg):
     """Sec. 4.1's schedule: a constant lr after a linear warm-up over the first warmup_steps
-    rollout steps, from lr / warmup_steps (not 0). step counts from 0."""
-    return cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
+    rollout steps (step = 1, 2, ...), from lr / warmup_steps (not 0)."""
+    return cfg.lr * min(1.0, step / max(1, cfg.warmup_steps))
 
 
 # -----------------------------------------------------------------------------------------
-# The loop: the paper's Algorithm 1. Part 2 enters through four hooks, each off at DAPO's defaults:
-# after_rollout acts under --carry-surplus or --skip-solved; select_tokens under
-# --top-entropy-quantile < 1 or a --loss whose OBJECTIVES entry has "picks"; loss_terms gives None
-# unless --tis-cap, --off-policy-mask, --kl-coef, --dual-clip, --top-entropy-quantile < 1, "picks"
-# or a --loss that reads vLLM's log-probs (dppo_*); adjust_token_losses runs on what loss_terms
-# gives, or under --dual-clip.
+# The loop: the paper's Algorithm 1. Part 2 enters through five hooks, each off at DAPO's defaults
+# (the README's Forking says when each runs): after_rollout, select_tokens, loss_terms,
+# adjust_token_losses (in policy_loss), end_of_step.
 
 def train(cfg):
     """Algorithm 1, its line numbers in the comments. Returns held-out metrics (before, after)."""
@@ -307,30 +221,32 @@ def train(cfg):
     if not run.ckpt:
         run.state["first_eval"] = evaluate(run, "before")
     after = None
-    for step in steps_left(run):  # 1: for step + 1 = 1, ..., M (Part 3: on resume, from its step)
+    for step in steps_left(run):  # 1: for step = 1, ..., M (Part 3: on resume, from the next one)
 
         def draw(idx, b):  # 2, 4, 5: prompts; G responses each from π_θold, rewarded (Eq. 7)
             return sample_groups(run, run.train_rows, run.train_ids, idx, cfg.group_size,
-                                 cfg.temperature, cfg.top_p, (cfg.seed, step, b))
+                                 cfg.temperature, cfg.top_p, (cfg.seed, step - 1, b))  # steps done
 
         # 6-8: Eq. 11 keeps the groups whose rewards differ; while fewer than N are kept, draw again
         kept, surplus, generated, metrics = collect_batch(draw, run.sampler, cfg, run.carried)
         after_rollout(run, surplus, generated, metrics)  # Part 2: off at DAPO's defaults
-        shape_rewards([s for g in generated for s in g], cfg)  # Eq. 13, added to Eq. 7's reward
+        # Eq. 13 on every generated sample (reward/mean logs them all); Eq. 9 reads the kept ones
+        shape_rewards([s for g in generated for s in g], cfg)
         samples = [s for g in kept for s in g]
-        metrics["batch/effective_groups"] = set_advantages(samples, cfg)  # 9: Â_{i,t} (Eq. 9)
+        set_advantages(samples, cfg)  # 9: Â_{i,t} (Eq. 9)
         overlong_filtering(samples, cfg)  # Sec. 3.4
         to_trainers(run, samples, metrics)  # Part 3: tokens to their ranks; 1 process: no transfer
         metrics.update(update_policy(run, samples, step))  # 10-11: μ updates maximising Eq. 8
         metrics.update(push_weights(run))  # 3, for the next step: π_θold <- π_θ, into vLLM (Part 3)
-        if step + 1 == cfg.steps:  # held-out evaluation (Part 1, below); the logs, a checkpoint
+        end_of_step(run, metrics)  # Part 2: a --loss keeping state updates it; off at the defaults
+        if step == cfg.steps:  # held-out evaluation (Part 1, below); the logs, a checkpoint
             evals = after = evaluate(run, "after")
-        elif cfg.eval_every and (step + 1) % cfg.eval_every == 0:
-            evals = evaluate(run, f"step {step + 1}")
+        elif cfg.eval_every and step % cfg.eval_every == 0:
+            evals = evaluate(run, f"step {step}")
         else:
             evals = {}
-        log_step(run, step + 1, metrics, generated, samples, evals)  # Part 3: writes the logs only
-        save_checkpoint(run, step + 1)  # Part 3: every --save-every steps, and after the last
+        log_step(run, step, metrics, generated, samples, evals)  # Part 3: writes the logs only
+        save_checkpoint(run, step)  # Part 3: every --save-every steps, and after the last
     first, after = run.state["first_eval"], after or evaluate(run, "after")  # none if resumed at M
     if first and after:
         key = f"eval/avg@{cfg.eval_samples}"
@@ -339,7 +255,8 @@ def train(cfg):
 
 
 # -----------------------------------------------------------------------------------------
-# Rollout: generate with vLLM, score with reward.py, then dynamic sampling
+# Rollout: generate with vLLM, score with reward.py, dynamic sampling; then what the step writes
+# into its samples: the shaped rewards, the advantages, the overlong filter
 
 def sample_groups(run, rows, prompt_ids, idx, n, temperature, top_p, key):
     """n scored responses to each prompt rows[i], i in idx. Each data-parallel vLLM group generates
@@ -360,23 +277,18 @@ def sample_groups(run, rows, prompt_ids, idx, n, temperature, top_p, key):
     for s, r in zip(local, results):
         s["score"], s["success"] = r["reward"], r["success"]  # score: --reward's value (unshaped)
         s.update((k, r[k]) for k in ("answer", "metrics", "failed") if k in r)
-    stats = {"time/rollout": t1 - t0, "time/reward": time.perf_counter() - t1,
-             "reward/timeouts": rstats["timeouts"], "reward/errors": rstats["errors"],
-             "gen/tokens": sum(s["len"] for s in local),
-             "gen/nll": -sum(sum(s["vllm_logp"]) for s in local),  # entropy/generated's estimate
-             "gen/distinct": sum(len({tuple(s["response_ids"]) for s in local[i:i + n]})
-                                 for i in range(0, len(local), n))}  # Sec. 3.1's diversity
+    stats = rollout_stats(local, n, rstats, t0, t1)  # Part 3: times, failures, gen/* (the logs')
     return share_groups(run, local, idx, prompt_ids, n, stats)  # Part 3: groups of n, idx's order
 
 
 def collect_batch(sample_fn, sampler, cfg, carried=()):
     """Algorithm 1, lines 2, 4-8: generation batches until N groups pass Eq. 11, or until the
-    batches left could not fill it at twice the keep rate so far. sample_fn(prompt indices, batch
+    batches left could not fill it at twice the pass rate so far. sample_fn(prompt indices, batch
     no) -> (groups, stats). carried: --carry-surplus's groups (fewer than N), taken first. Returns
     (the N kept groups, the surplus: the new ones past N, every group generated, stats)."""
     G, N = cfg.group_size, cfg.prompts_per_step
     size = cfg.gen_batch_size if cfg.dynamic_sampling else N
-    kept, generated, passed, stats, b = list(carried), [], [], {}, 0
+    kept, generated, passing, stats, b = list(carried), [], 0, {}, 0
     while len(kept) < N:
         if b == cfg.max_gen_batches:
             raise too_few_groups(len(kept), generated, b, cfg)  # Part 3: the error and its fixes
@@ -385,34 +297,32 @@ def collect_batch(sample_fn, sampler, cfg, carried=()):
         stats = {k: stats.get(k, 0) + v for k, v in t.items()}
         generated += groups
         scores = torch.tensor([s["score"] for g in groups for s in g])
-        mixed = dynamic_sampling_mask(scores, G).tolist()
-        passed += mixed
-        if cfg.dynamic_sampling:  # Eq. 11, on the score, not the shaped reward
-            groups = [g for g, k in zip(groups, mixed) if k]
+        differ = dynamic_sampling_mask(scores, G).tolist()  # Eq. 11, on the score, not the reward
+        passing += sum(differ)  # of every group generated, those that pass Eq. 11
+        if cfg.dynamic_sampling:
+            groups = [g for g, d in zip(groups, differ) if d]
         kept += groups
-        at_twice = 2 * (cfg.max_gen_batches - b) * size * sum(passed) / len(generated)
-        if len(kept) < N and len(kept) + at_twice < N:  # the batches left, at twice the keep rate
+        # too few: the batches left, at twice the pass rate so far, would not fill the batch
+        if len(kept) + 2 * (cfg.max_gen_batches - b) * size * passing / len(generated) < N:
             raise too_few_groups(len(kept), generated, b, cfg)  # Part 3: the same error
-    stats.update({"filter/kept_frac": sum(passed) / len(generated), "filter/gen_batches": b,
+    stats.update({"filter/kept_frac": passing / len(generated), "filter/gen_batches": b,
                   "filter/carried": len(carried)})
     return kept[:N], kept[N:], generated, stats
 
 
 def shape_rewards(samples, cfg):
     """Each sample's "reward": its score (Eq. 7: +1 correct, -1 otherwise) plus Eq. 13's length
-    penalty, where the soft overlong punishment is on. Returns them, (B,)."""
+    penalty, where the soft overlong punishment is on."""
     r = torch.tensor([float(s["score"]) for s in samples])
     if cfg.soft_overlong_punishment:
         r = r + overlong_penalty(torch.tensor([s["len"] for s in samples]), cfg.max_response_len,
                                  cfg.overlong_cache_len)
     for s, x in zip(samples, r.tolist()):
         s["reward"] = x
-    return r
 
 
 def set_advantages(samples, cfg):
-    """A_i of each kept sample, into its "adv": Eq. 9 on the shaped rewards, or a later estimator's.
-    Returns how many groups have advantages not all zero (they carry a gradient)."""
+    """A_i of each kept sample, into its "adv": Eq. 9 on the shaped rewards (or an estimator's)."""
     if cfg.adv_estimator == "grpo":  # Eq. 9, DAPO's
         adv = group_advantages(torch.tensor([float(s["reward"]) for s in samples]), cfg.group_size)
     else:  # Part 2's ADV_ESTIMATORS: fn(a (B,) column per sample key it reads, G) -> (B,)
@@ -421,7 +331,12 @@ def set_advantages(samples, cfg):
         adv = est["fn"](*columns, cfg.group_size)
     for s, a in zip(samples, adv.tolist()):
         s["adv"] = a
-    return int((adv.view(-1, cfg.group_size) != 0).any(1).sum())
+
+
+def overlong_filtering(samples, cfg):
+    """Sec. 3.4, overlong filtering: a truncated sample teaches nothing; its loss is masked."""
+    for s in samples:
+        s["trained"] = not (cfg.overlong_filtering and s["truncated"])
 
 
 # -----------------------------------------------------------------------------------------
@@ -434,12 +349,14 @@ def update_policy(run, samples, step):
     cfg, lr = run.cfg, warmup_lr(step, run.cfg)
     for g in run.opt.param_groups:
         g["lr"] = lr
-    minis, my_micros = micro_batches(samples, cfg, run.share)  # Part 3: μ slices, this rank's cuts
+    # Part 3: μ contiguous slices of B/μ samples in kept order, no shuffle (check_config makes μ x
+    # ranks divide B: every sample in one); of each, this rank's share, cut into micro-batches
+    minis, my_micros = micro_batches(samples, cfg, run.share)
     totals, grad_norms, skipped, sync = None, [], 0, {}
     with tf32_head(run.device, cfg):  # Part 3: CUDA in bf16: the fp32 head as TF32; else nothing
         old_logprobs(run, my_micros)  # Part 3, no grad: s["old_logp"], π_θold (the record)
         for m, (mini, micros) in enumerate(zip(minis, my_micros)):
-            select_tokens(mini, micros, cfg, (cfg.seed, step, m))  # Part 2: off at DAPO's defaults
+            select_tokens(mini, micros, cfg, (cfg.seed, step - 1, m))  # Part 2: off at the defaults
             run.opt.zero_grad(set_to_none=True)
             sums, tokens = policy_gradient(run, mini, micros)
             if totals is None:  # all π_θold known: check_sync's gap to vLLM's; a broken sync stops
@@ -470,7 +387,7 @@ def policy_gradient(run, mini, micros):
         trained = torch.tensor([float(s["trained"]) for s in mb], device=device)
         mask = batch["mask"] * trained[:, None]  # Sec. 3.4: a filtered sample's tokens are masked
         adv = torch.tensor([s["adv"] for s in mb], device=device)
-        more = loss_terms(mb, logp, old, adv, mask, cfg)  # Part 2: None at DAPO's defaults
+        more = loss_terms(mb, logp, old, adv, mask, run)  # Part 2: None at DAPO's defaults
         loss, stats = policy_loss(logp, old, adv, mask, cfg, denom, more)
         (loss * world()).backward()  # FSDP2 averages over ranks, Eq. 12 sums; one process: x 1
         n = mask.sum().item()
@@ -499,13 +416,7 @@ def evaluate(run, tag):
     avg = [sum(s["success"] for s in g) / k for g in groups]
     out = {f"eval/avg@{k}": sum(avg) / len(idx),
            f"eval/pass@{k}": sum(pass_at_k(k, round(a * k), k) for a in avg) / len(idx)}
-    if any("answer" in s for g in groups for s in g):  # the reward reads answers: majority vote
-        votes = [reward.majority_correct([s.get("answer") for s in g], [s["success"] for s in g],
-                                         cfg.reward_timeout, cfg.reward_workers,
-                                         by_equivalence=cfg.reward == reward.MATH) for g in groups]
-        answered = [sum(s.get("answer") is not None for s in g) / k for g in groups]  # the format
-        out.update({f"eval/maj@{k}": sum(votes) / len(idx),
-                    "eval/answered": sum(answered) / len(idx)})
+    out.update(majority_votes(groups, cfg, k))  # Part 3: maj@k, where the reward reads answers
     out.update(by_level([rows[i] for i in idx], avg, k))  # Part 3: by difficulty, where rows say
     print0(f"eval ({tag}): " + "  ".join(f"{name} {v:.3f}" for name, v in out.items()))
     return out
@@ -515,7 +426,7 @@ def evaluate(run, tag):
 # Part 2: after DAPO. What came later, each behind its own flag and off by default: objectives
 # (OBJECTIVES), advantage estimators (ADV_ESTIMATORS), rollout corrections, the KL penalty, a token
 # selection, carried surplus, skipped prompts, LoRA. Part 1 reaches them through the two tables and
-# after_rollout, select_tokens, loss_terms and adjust_token_losses.
+# five hooks: after_rollout, select_tokens, loss_terms, adjust_token_losses and end_of_step.
 # =========================================================================================
 # The settings of what came after DAPO, each off by default (OBJECTIVES gives each --loss's preset)
 
@@ -644,7 +555,8 @@ def kl_cov_token_loss(t, cfg):
 # mean first; "max_len": L_max x samples), "weights": "sequence" where a per-token weight enters as one per
 # sequence (their geometric mean), "preset": its paper's values of shared flags (a flag given wins),
 # "ignores": the shared flags it has no use for (refused unless at their default), "own": its own settings
-# beyond the Config fields named after it. DAPO's (Eq. 10, 12) first. GSPO: one ratio per sequence, so a far
+# beyond the Config fields named after it, "state" and "end_of_step": state kept across steps (end_of_step, below).
+# DAPO's (Eq. 10, 12) first. GSPO: one ratio per sequence, so a far
 # narrower clip. CISPO: no lower bound on the weight (its ε_high is unpublished: DAPO's is kept). Dr. GRPO
 # (Liu et al. 2025): PPO's clip, A = R - mean, a constant normaliser. SAPO: a soft gate, no clip. DPPO: ε bounds
 # the token's probability (TV) or its binary KL, verl's thresholds; c is its authors' runs' (1e4: in effect no
@@ -671,6 +583,22 @@ OBJECTIVES = {
     "clip_cov": dict(token_loss=clip_cov_token_loss, preset=dict(eps_low=1.0, eps_high=1.0), picks=True),
     "kl_cov": dict(token_loss=kl_cov_token_loss, ignores=("eps_low", "eps_high", "dual_clip"), picks=True),
 }
+
+
+# An objective that keeps state across steps (an adaptive clip, a schedule of its own) gives its entry "state":
+# fn(cfg) -> a dict of numbers, strings and lists (its start, which state.json keeps), and "end_of_step":
+# fn(state, metrics, step, cfg), which updates it in place once a step. Its token loss is then called as
+# token_loss(t, cfg, state, step): never a module global, so a resume on any number of ranks restores it. Its
+# own statistics (the token loss's fourth value) reach metrics as means over every rank's trained tokens.
+
+def end_of_step(run, metrics):
+    """After a step's update and weight push, before its checkpoint: a --loss whose OBJECTIVES entry has
+    "end_of_step" updates its state (run.state["objective"], which set_up starts or restores and checkpoints save)
+    from the step's metrics, whose update statistics are summed over every rank (update_metrics): the same on
+    each rank, so the ranks' states stay equal. Nothing for any other --loss."""
+    entry = OBJECTIVES[run.cfg.loss]
+    if "end_of_step" in entry:
+        entry["end_of_step"](run.state["objective"], metrics, run.step, run.cfg)
 
 
 # Advantage estimators: A for each response of the kept batch, from the sample keys its entry "reads" (the shaped
@@ -801,16 +729,20 @@ def geometric_mean(weight, mask):
     return torch.exp((torch.log(weight + 1e-10) * mask).sum(-1, keepdim=True) / n)
 
 
-def loss_terms(mb, logp, old, adv, mask, cfg):
+def loss_terms(mb, logp, old, adv, mask, run):
     """What the flags after DAPO add to one micro-batch's loss, read by adjust_token_losses: vLLM's
     log-probs (DPPO's, and the corrections'), per-token weights (--tis-cap, --off-policy-mask), the tokens
     select_tokens chose (--top-entropy-quantile's; Clip-Cov's and KL-Cov's, which policy_loss hands the
-    objective), π_ref (--kl-coef), and their statistics. None when none is set."""
+    objective), π_ref (--kl-coef), and their statistics; for a --loss that keeps state, its state and the
+    step (run.state["objective"], run.step), which policy_loss hands its token loss. None when none is set."""
+    cfg = run.cfg
     rollout = cfg.tis_cap or cfg.off_policy_mask or cfg.loss.startswith("dppo")
-    picks = OBJECTIVES[cfg.loss].get("picks")
-    if not (rollout or cfg.top_entropy_quantile < 1 or picks or cfg.kl_coef or cfg.dual_clip):
+    picks, stateful = OBJECTIVES[cfg.loss].get("picks"), "state" in OBJECTIVES[cfg.loss]
+    if not (rollout or cfg.top_entropy_quantile < 1 or picks or cfg.kl_coef or cfg.dual_clip or stateful):
         return None
     more, factors, device = {"stats": {}}, [], logp.device
+    if stateful:
+        more["objective"] = (run.state["objective"], run.step)
     if rollout:
         more["rollout_logp"] = padded(mb, "vllm_logp", device)  # Part 3: per-sample lists, padded
     if cfg.tis_cap:  # correct for vLLM's sampling policy
@@ -900,6 +832,31 @@ def add_lora(model, cfg):
 # Part 3: the plumbing (packing, the fp32 head, FSDP2, vLLM, files, checks, Ctrl-C). DAPO never
 # changes below this line.
 # =========================================================================================
+# The run's settings: model, data, steps, evaluation, checkpoints
+
+@dataclass
+class RunConfig:
+    model: str = ""                  # HF model dir or hub name; "" = the built-in tiny demo model
+    train_data: str = ""             # parquet (verl schema), JSONL or .json; "" = the built-in task
+    eval_data: str = ""              # held-out file, same formats; "" = built-in held-out split
+    task: str = "add"                # built-in task: add (2-digit sums) or carry (1-5 columns)
+    reward: str = "reward:math_reward"  # R (Eq. 7): module:function or file.py:function, called as
+    #  fn(response, row) -> bool, number or dict (reward.py's docstring), in the checker's worker
+    #  processes, never in the trainer's. Default: reward.py's math checker
+    max_prompt_len: int = 2048       # longer prompts are dropped at load time {>= 1}
+    steps: int = 200                 # rollout steps {>= 1}
+    seed: int = 0                    # everything random derives from this (>= 0)
+    eval_every: int = 0              # evaluate every N rollout steps; 0 = only before and after
+    eval_samples: int = 4            # k of avg@k on the held-out set; 0 = no evaluation
+    eval_temperature: float = 1.0    # the paper's evaluation sampling {[0.01, 2]: vLLM's range}
+    eval_top_p: float = 0.7          # the paper's evaluation sampling {(0, 1]}
+    eval_max_prompts: int = 0        # evaluate on at most this many held-out prompts; 0 = all
+    out_dir: str = "runs/dapo"       # metrics, samples and checkpoints go here
+    save_every: int = 0              # checkpoint every N rollout steps; 0 = only at the end
+    resume: bool = False             # continue from the latest checkpoint in out_dir
+    eval_only: bool = False          # evaluate --model (with --resume: the latest checkpoint), exit
+
+
 # The settings of the plumbing, and Config: every setting of the three parts, as the flags read them
 
 @dataclass
@@ -955,8 +912,8 @@ class SystemConfig:
 
 
 @dataclass
-class Config(SystemConfig, AfterDapoConfig, DapoConfig):
-    """Every setting: DAPO's and the run's (Part 1), after DAPO's (Part 2), the plumbing's (Part 3), in that
+class Config(SystemConfig, RunConfig, AfterDapoConfig, DapoConfig):
+    """Every setting: DAPO's (Part 1), after DAPO's (Part 2), the run's and the plumbing's (Part 3), in that
     order in --help. parse_config makes each field a flag."""
 
 
@@ -1139,6 +1096,18 @@ def too_few_groups(kept, generated, batches, cfg):
 def my_prompts(n, tp):
     """The positions, of n prompts, that this rank's data-parallel vLLM group generates for."""
     return list(range(rank() // tp, n, world() // tp))
+
+
+def rollout_stats(local, n, rstats, t0, t1):
+    """sample_groups' statistics of one call's samples on this rank (`local`, groups of n), which collect_batch
+    sums over a step's generation batches: generation's and the reward's times (t0, t1: their starts), the
+    reward's timeouts and errors, and the sums log_step divides: tokens, -log π_rollout (entropy/generated's
+    estimate) and distinct responses per group (Sec. 3.1's diversity)."""
+    return {"time/rollout": t1 - t0, "time/reward": time.perf_counter() - t1,
+            "reward/timeouts": rstats["timeouts"], "reward/errors": rstats["errors"],
+            "gen/tokens": sum(s["len"] for s in local), "gen/nll": -sum(sum(s["vllm_logp"]) for s in local),
+            "gen/distinct": sum(len({tuple(s["response_ids"]) for s in local[i:i + n]})
+                                for i in range(0, len(local), n))}
 
 
 def share_groups(run, local, idx, prompt_ids, n, times):
@@ -1788,6 +1757,17 @@ def add_stats(sums, stats, tokens, sequences, loss):
         sums[k] = sums.get(k, 0.0) + v
 
 
+def majority_votes(groups, cfg, k):
+    """evaluate's maj@k (the paper's cons@k) and the share of responses with an answer (the format followed),
+    where the reward reads answers; else nothing. The math checker votes by equivalence class."""
+    if not any("answer" in s for g in groups for s in g):
+        return {}
+    votes = [reward.majority_correct([s.get("answer") for s in g], [s["success"] for s in g], cfg.reward_timeout,
+                                     cfg.reward_workers, by_equivalence=cfg.reward == reward.MATH) for g in groups]
+    answered = [sum(s.get("answer") is not None for s in g) / k for g in groups]
+    return {f"eval/maj@{k}": sum(votes) / len(groups), "eval/answered": sum(answered) / len(groups)}
+
+
 def by_level(rows, avg, k):
     """avg@k per level of difficulty, for rows that carry one (the carry task's number of columns)."""
     out = {}
@@ -2342,6 +2322,51 @@ def preflight(cfg):
 
 
 # -----------------------------------------------------------------------------------------
+# The records' keys that only Part 2 or 3 reads (Part 1 describes the rest, with its own)
+#
+# The sample: key, who sets it, what it holds.
+#   row, pos, prompt_ids   share_groups: the prompt's data row, its place in the batch, its ids
+#   src                    share_groups: the rank that generated it (and holds its tokens)
+#   trainer                to_trainers: the rank that trains it; on every other rank the sample is a
+#                          stub (no response_ids, vllm_logp or text), which the update reads only for
+#                          its length. distribute (to_trainers) drops "text" on every rank
+#   old_logp               how it is made: a no-grad pass over every mini-batch but the first
+#                          (old_logprobs); the first's is its own forward, detached, as no step has
+#                          run yet (old_logp_of), unless select_tokens needs it first
+#                          (--top-entropy-quantile; an OBJECTIVES entry with "picks"). check_sync
+#                          compares it with vllm_logp before the first optimizer step
+#   ref_logp, old_entropy  old_logprobs: log π_ref (--kl-coef); π_θold's entropy (--top-entropy-quantile)
+#   selected, picked       select_tokens (Part 2): --top-entropy-quantile's tokens; Clip-Cov's or KL-Cov's
+#   carried                --carry-surplus (Part 2): a group of the step before
+#   dummy                  micro_batches: a zero-weight stub keeping FSDP's ranks in step (on several
+#                          ranks only: one process never has one)
+#
+# The run: key, what it holds.
+#   llm, tokenizer, pad_id vLLM in this process (it samples from π_θold); the tokenizer; its pad id.
+#                          push_weights makes it π_θ once a step: every state_dict tensor (a tied
+#                          lm_head too) in ONE reload_weights call, a vLLM parameter left unwritten
+#                          refused, the prefix cache reset (on CUDA, vLLM asleep while the trainer
+#                          works, woken around it); check_sync then compares vLLM's log-probs of the
+#                          next step's samples with π_θold's (--max-sync-diff)
+#   model                  forward_logprobs (above): the decoder over packed rows, then an fp32
+#                          log-softmax at T and a gather
+#   state                  also the non-finite streak; "objective", a --loss's own state (Part 2's
+#                          end_of_step), started by set_up; at a save, the config, --carry-surplus's
+#                          groups and --skip-solved's record
+#   carried, solved, ref   after DAPO (Part 2): --carry-surplus's groups, --skip-solved's record,
+#                          π_ref (--kl-coef)
+#   path                   the model directory loaded (on resume, the checkpoint's export)
+#   sleep                  whether vLLM frees its memory while the trainer works (CUDA, vllm_sleep)
+#   logs                   rank 0's open metrics.jsonl and samples.jsonl in --out-dir (others: none)
+#   step, bar, clock       steps_left, each step: its number from 1, the tqdm bar, the phases' start
+#                          times (to_trainers and push_weights stamp theirs)
+#   meta_bytes             the bytes share_groups received this step (to_trainers reports them)
+#   gpu                    on CUDA, each phase's GPU memory this step (gpu_phase)
+#   share                  --shared-prefix resolved (sharing): True, each group's prompt forwarded
+#                          once; False, a copy per response; under sdpa, a cost rule
+
+
+# -----------------------------------------------------------------------------------------
 # Set-up, logs and the progress bar
 
 def demo_model(cfg):
@@ -2418,6 +2443,8 @@ def set_up(cfg):
     run.sampler = Sampler(len(train_rows), cfg.seed, keep=cfg.gen_batch_size)
     run.carried = restore_carried(state.get("carried", []), cfg)  # --carry-surplus's groups
     run.solved = {int(row): n for row, n in state.get("solved", {}).items()}  # --skip-solved's record
+    if "state" in OBJECTIVES[cfg.loss]:  # a --loss that keeps state (end_of_step): the checkpoint's, or its start
+        state.setdefault("objective", OBJECTIVES[cfg.loss]["state"](cfg))
     if ckpt:
         load_checkpoint(ckpt, run.model, run.opt)
         run.sampler.restore(*state["sampler"], state.get("set_aside", []))
@@ -2445,21 +2472,26 @@ def adamw_state_now(opt):
 
 
 def steps_left(run):
-    """The rollout steps left (from the checkpoint's on resume), with a tqdm bar on rank 0 at a terminal (in a
-    log file, as under torchrun or a scheduler, the bar's carriage returns would garble the step lines: plain
-    lines there); each step's clock (to_trainers and push_weights stamp its phases), byte count and GPU memory
-    (gpu_phase) start at 0."""
+    """The rollout steps left, numbered from 1 (on resume, from the checkpoint's step + 1) into run.step, with a
+    tqdm bar on rank 0 at a terminal (in a log file, as under torchrun or a scheduler, the bar's carriage returns
+    would garble the step lines: plain lines there); each step's clock (to_trainers and push_weights stamp its
+    phases), byte count and GPU memory (gpu_phase) start at 0."""
     from tqdm import tqdm
     start, terminal = run.state["step"], sys.stdout.isatty() and sys.stderr.isatty()
-    run.bar = tqdm(range(start, run.cfg.steps), desc="DAPO", disable=rank() != 0 or not terminal,
+    run.bar = tqdm(range(start + 1, run.cfg.steps + 1), desc="DAPO", disable=rank() != 0 or not terminal,
                    dynamic_ncols=True, initial=start, total=run.cfg.steps)
     interrupt.STATE["bar"] = run.bar  # for the Ctrl-C message (lib/interrupt.py)
     for step in run.bar:
-        interrupt.STATE["step"] = run.step = step + 1
+        interrupt.STATE["step"] = run.step = step
         run.clock, run.meta_bytes, run.gpu = {"start": time.perf_counter()}, 0, {}
         gpu_phase(run, None)
         yield step
     run.bar.close()
+
+
+def effective_groups(samples, group_size):
+    """How many of the kept groups have advantages not all zero (they carry a gradient)."""
+    return sum(any(s["adv"] != 0 for s in samples[i:i + group_size]) for i in range(0, len(samples), group_size))
 
 
 def log_step(run, step, m, generated, samples, evals):
@@ -2472,7 +2504,8 @@ def log_step(run, step, m, generated, samples, evals):
     for s in every:
         for k, v in s.get("metrics", {}).items():
             own.setdefault(f"score/{k}", []).append(v)
-    m.update({"step": step, "reward/mean": sum(s["reward"] for s in every) / len(every),
+    m.update({"step": step, "batch/effective_groups": effective_groups(samples, cfg.group_size),
+              "reward/mean": sum(s["reward"] for s in every) / len(every),
               "score/mean": sum(s["score"] for s in every) / len(every), **{k: sum(v) / len(v) for k, v in own.items()},
               "acc/mean": sum(s["success"] for s in every) / len(every),
               "len/mean": sum(lens) / len(lens), "len/max": max(lens),

@@ -63,7 +63,7 @@ def test_eq9_group_advantage_hand_values():
     adv = dapo.group_advantages(torch.tensor([1.0, -1.0, 1.0, 1.0]), 4)  # std 1 exactly
     torch.testing.assert_close(adv, torch.tensor([0.5, -1.5, 0.5, 0.5]) / (1 + 1e-6))
     samples = [{"reward": x} for x in (1.0, -1.0, 1.0, 1.0)]
-    assert dapo.set_advantages(samples, dapo.Config(group_size=4)) == 1
+    dapo.set_advantages(samples, dapo.Config(group_size=4))
     assert [x["adv"] for x in samples] == pytest.approx([0.5 / (1 + 1e-6), -1.5 / (1 + 1e-6), 0.5 / (1 + 1e-6),
                                                        0.5 / (1 + 1e-6)])
 
@@ -150,7 +150,8 @@ def test_eq11_filters_before_eq13_shapes_the_rewards():
                       overlong_cache_len=4)
     wrong = [{"score": -1.0, "success": False, "len": n} for n in (5, 6, 3)]
     mixed = [{"score": s, "success": s > 0, "len": 2} for s in (1.0, -1.0, -1.0)]
-    assert len(set(dapo.shape_rewards(wrong, cfg).tolist())) == 3
+    dapo.shape_rewards(wrong, cfg)
+    assert len({s["reward"] for s in wrong}) == 3
     kept, _, seen, m = dapo.collect_batch(lambda idx, b: ([wrong, mixed], {}), dapo.Sampler(2, 0), cfg)
     assert kept == [mixed] and seen == [wrong, mixed] and m["filter/kept_frac"] == 0.5
 
@@ -299,13 +300,12 @@ def test_eq13_shape_rewards_then_eq9_advantages_hand_values():
     cfg = dapo.Config(max_response_len=10, overlong_cache_len=4, group_size=3)
     samples = [{"score": 1.0 if c else -1.0, "len": n} for c, n in
                [(True, 4), (True, 8), (False, 12), (True, 5), (True, 6), (True, 3)]]
-    rewards = dapo.shape_rewards(samples, cfg)
-    torch.testing.assert_close(rewards, torch.tensor([1.0, 1.0 - 0.5, -1.0 - 1.0, 1.0, 1.0, 1.0]))
-    off = dapo.shape_rewards(samples, dataclasses.replace(cfg, soft_overlong_punishment=False))
-    assert off.tolist() == [1.0, 1.0, -1.0, 1.0, 1.0, 1.0]
-    for s, r in zip(samples, rewards.tolist()):
-        s["reward"] = r
-    assert dapo.set_advantages(samples, cfg) == 1                          # the second group is uniform
+    dapo.shape_rewards(samples, dataclasses.replace(cfg, soft_overlong_punishment=False))
+    assert [s["reward"] for s in samples] == [1.0, 1.0, -1.0, 1.0, 1.0, 1.0]
+    dapo.shape_rewards(samples, cfg)
+    assert [s["reward"] for s in samples] == [1.0, 1.0 - 0.5, -1.0 - 1.0, 1.0, 1.0, 1.0]
+    dapo.set_advantages(samples, cfg)
+    assert dapo.effective_groups(samples, 3) == 1                          # the second group is uniform
     r = torch.tensor([1.0, 0.5, -2.0])
     expect = ((r - r.mean()) / (r.std() + 1e-6)).tolist() + [0.0, 0.0, 0.0]
     assert [s["adv"] for s in samples] == pytest.approx(expect, abs=1e-6)
@@ -318,8 +318,9 @@ def test_sec41_warmup_rises_linearly_over_rollout_steps_from_lr_over_warmup():
     """Sec. 4.1's schedule (not a line of Algorithm 1): a constant lr after a linear warm-up over the first
     warmup_steps rollout steps, starting at lr / warmup_steps (the reference run's first step trains at 0)."""
     cfg = dapo.Config(lr=1e-6, warmup_steps=4)
-    assert [dapo.warmup_lr(step, cfg) for step in range(6)] == pytest.approx([2.5e-7, 5e-7, 7.5e-7, 1e-6, 1e-6, 1e-6])
-    assert dapo.warmup_lr(0, dataclasses.replace(cfg, warmup_steps=0)) == 1e-6
+    assert [dapo.warmup_lr(step, cfg) for step in range(1, 7)] == pytest.approx([2.5e-7, 5e-7, 7.5e-7, 1e-6, 1e-6,
+                                                                                 1e-6])
+    assert dapo.warmup_lr(1, dataclasses.replace(cfg, warmup_steps=0)) == 1e-6
 
 
 # =========================================================================================
@@ -329,8 +330,8 @@ def test_algorithm1_train_makes_its_calls_in_the_papers_order():
     """train() is Algorithm 1 and nothing else: in one rollout step it samples, rewards and filters (lines 2 and
     4-8, collect_batch), shapes the rewards (Eq. 13), computes the advantages (line 9, Eq. 9), filters the
     overlong samples (Sec. 3.4), runs the μ updates (lines 10-11), pushes the weights into vLLM (line 3 of the
-    next step), evaluates, logs and saves, in that order; the loop calls nothing else but the hook after DAPO
-    (Part 2) and the sample exchange (Part 3)."""
+    next step), evaluates, logs and saves, in that order; the loop calls nothing else but the two hooks after DAPO
+    (Part 2: end_of_step after the weight push, before the checkpoint) and the sample exchange (Part 3)."""
     import ast
     tree = next(n for n in ast.parse(open(os.path.join(HERE, "dapo.py")).read()).body
                 if isinstance(n, ast.FunctionDef) and n.name == "train")
@@ -341,7 +342,9 @@ def test_algorithm1_train_makes_its_calls_in_the_papers_order():
              "push_weights", "evaluate", "log_step", "save_checkpoint"]
     order = sorted(paper, key=lambda c: min(i for i, x in enumerate(calls) if x == c))
     assert order == paper, calls
-    assert set(calls) == set(paper) | {"steps_left", "sample_groups", "after_rollout", "to_trainers"}, calls
+    hooks = {"after_rollout", "end_of_step"}   # Part 2's, each off at DAPO's defaults
+    assert set(calls) == set(paper) | {"steps_left", "sample_groups", "to_trainers"} | hooks, calls
+    assert calls.index("push_weights") < calls.index("end_of_step") < calls.index("save_checkpoint"), calls
 
 
 # The paper's Algorithm 1, line by line: what the line says, and the function of dapo.py that does it

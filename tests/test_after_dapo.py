@@ -16,7 +16,7 @@ from lib import interrupt
 import dapo
 from tests.shared import (
     GRAD_RTOL, KNOBS, _dapo, _dcp_model, _grads, _loss, _loss_at, _relative_gap, _run, _stub_sample_fn,
-    _stubs, _update_samples)
+    _stubs, _torchrun, _update_samples)
 
 
 pytestmark = pytest.mark.timeout(1200, method="thread")  # the subprocess helpers time out first
@@ -264,9 +264,8 @@ def test_dr_grpo_divides_by_a_constant_and_keeps_the_mean_centred_advantage():
     cfg = dapo.Config(loss="dr_grpo", **dapo.OBJECTIVES["dr_grpo"]["preset"], max_response_len=8, group_size=4,
                       soft_overlong_punishment=False)   # the preset: --adv-estimator dr_grpo
     samples = [dict(s, score=r) for s, r in zip(_stubs([2, 3, 1, 4], truncated=(3,)), (1.0, -1.0, -1.0, -1.0))]
-    for s, r in zip(samples, dapo.shape_rewards(samples, cfg).tolist()):
-        s["reward"] = r
-    assert dapo.set_advantages(samples, cfg) == 1
+    dapo.shape_rewards(samples, cfg)
+    dapo.set_advantages(samples, cfg)
     assert [s["adv"] for s in samples] == [1.5, -0.5, -0.5, -0.5]        # R - mean(R): 1, -1, -1, -1
     dapo.overlong_filtering(samples, cfg)
     norm = dapo.loss_normaliser(samples, cfg)
@@ -604,6 +603,99 @@ def test_lora_trains_the_adapters_alone_resumes_bit_exact_and_exports_merged_wei
     assert model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False).shape == (1, 11)
 
 
+def test_a_stateful_objective_gets_its_state_and_the_step_as_arguments_and_end_of_step_updates_it():
+    """The README's stateful example (Forking), run as written: loss_terms hands a --loss whose OBJECTIVES entry has
+    "state" its state and the step (run.state["objective"], run.step), policy_loss passes them to its token loss, and
+    end_of_step updates the state in place from the step's metrics. For any other --loss end_of_step does nothing
+    and loss_terms adds nothing at DAPO's defaults."""
+    code = re.search(r"```python\n(.*?)```", open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read(),
+                     re.S).group(1)
+    table = dict(dapo.OBJECTIVES)
+    exec(code, {"torch": torch, "OBJECTIVES": table})
+    seen = []
+    loss_fn = table["adaptive"]["token_loss"]
+    table["adaptive"] = dict(table["adaptive"], token_loss=lambda t, cfg, state, step: seen.append(
+        (dict(state), step)) or loss_fn(t, cfg, state, step))
+    cfg = dapo.Config(loss="adaptive")
+    run = types.SimpleNamespace(cfg=cfg, state={"objective": table["adaptive"]["state"](cfg)}, step=3)
+    logp = torch.tensor([[0.0, 0.1], [0.0, -0.1]], dtype=torch.float64, requires_grad=True)
+    mask, adv = torch.ones(2, 2), torch.tensor([1.0, -1.0], dtype=torch.float64)
+    import unittest.mock
+    with unittest.mock.patch.dict(dapo.OBJECTIVES, table):
+        more = dapo.loss_terms([], logp, logp.detach(), adv, mask, run)
+        assert more["objective"] == (run.state["objective"], 3)
+        _, stats = dapo.policy_loss(logp, logp.detach(), adv, mask, cfg, None, more)
+        assert seen == [({"eps_high": 0.28}, 3)] and stats["adaptive/up_frac"].item() == 0.5
+        dapo.end_of_step(run, {"adaptive/up_frac": 0.25})                   # fewer than half push up: ε_high rises
+        assert run.state["objective"] == {"eps_high": pytest.approx(0.30)}
+    plain = types.SimpleNamespace(cfg=dapo.Config(), state={}, step=3)
+    dapo.end_of_step(plain, {})
+    assert plain.state == {} and dapo.loss_terms([], logp, logp.detach(), adv, mask, plain) is None
+
+# A stateful objective of the tests' own, in the spirit of BAPO's adaptive clip (arXiv 2510.18927): where fewer than
+# half of the last step's trained tokens have A > 0, ε_high rises and ε_low falls, so that the tokens pushed up weigh
+# more, and the other way round. Its state lives where Part 2 keeps one (run.state["objective"]) and reaches the
+# token loss as an argument, with the step.
+def _adaptive_state(cfg):
+    return {"eps_low": cfg.eps_low, "eps_high": cfg.eps_high, "step": 0}
+
+
+def _adaptive_token_loss(t, cfg, state, step):
+    low, high = state["eps_low"], state["eps_high"]
+    loss = -torch.min(t.ratio * t.adv, torch.clamp(t.ratio, 1 - low, 1 + high) * t.adv)
+    n = t.mask.sum().clamp(min=1)
+    stats = {"adaptive/pos_frac": ((t.adv > 0) * t.mask).sum() / n,
+             "adaptive/lag": (step - state["step"]) * t.mask.sum() / n}   # 1: the state is the step before's
+    return loss, (t.ratio < 1 - low) & (t.adv < 0), (t.ratio > 1 + high) & (t.adv > 0), stats
+
+
+def _adaptive_end_of_step(state, metrics, step, cfg):
+    gap = 0.5 - metrics["adaptive/pos_frac"]   # > 0: too few tokens pushed up
+    state.update(eps_low=min(max(state["eps_low"] - 0.2 * gap, 0.01), 0.99),
+                 eps_high=max(state["eps_high"] + 0.2 * gap, 0.01), step=step)
+    metrics.update({"adaptive/eps_low": state["eps_low"], "adaptive/eps_high": state["eps_high"]})
+
+
+ADAPTIVE = dict(token_loss=_adaptive_token_loss, state=_adaptive_state, end_of_step=_adaptive_end_of_step)
+# Small: 4 prompts x 8 responses, 2 mini-batches, no evaluation; 2 steps, resumed after the first
+RESUME_ARGS = ["--demo-sft-target", "0.1", "--prompts-per-step", "4", "--gen-batch-size", "8", "--num-mini-batches",
+               "2", "--micro-batch-size", "16", "--warmup-steps", "1", "--lr", "5e-4", "--eval-samples", "0",
+               "--steps", "2", "--save-every", "1"]
+
+
+def test_every_objective_resumes_bit_for_bit_and_a_stateful_one_on_2_ranks_too(tmp_path):
+    """2 steps straight against 1 step, a resume and 1 more, bit for bit (the fp32 weights, every metric but the
+    timings, the objective's state): every OBJECTIVES entry on one process, and a stateful objective of the tests'
+    own (ADAPTIVE: its ε_high moves each step, from the step's statistics summed over the ranks) on one process and
+    on 2 ranks. Each resume starts from the straight run's first checkpoint, the later one removed, through
+    dapo.train and --resume; one process (or torchrun) runs every objective, with one vLLM engine. ADAPTIVE's
+    state matters: resumed without it (removed from state.json), the run differs."""
+    losses = list(dapo.OBJECTIVES) + ["adaptive"]
+    one = _run([sys.executable, "tests/test_after_dapo.py", "resume", str(tmp_path / "one"), *losses], timeout=900)
+    assert one.returncode == 0, one.stderr[-4000:]
+    two = _torchrun(2, "tests/test_after_dapo.py", "resume", str(tmp_path / "two"), "adaptive", timeout=900)
+    assert two.returncode == 0, two.stderr[-4000:]
+    timing = lambda k: k.startswith(("time/", "mem/")) or k == "tokens/s"   # noqa: E731
+    for ranks, loss in [("one", x) for x in losses] + [("two", "adaptive")]:
+        runs = {how: tmp_path / ranks / loss / how for how in ("straight", "resumed", "lost")}
+        weights = {how: _dcp_model(d / "checkpoints" / "step_000002") for how, d in runs.items() if d.exists()}
+        rows = {how: [{k: v for k, v in json.loads(x).items() if not timing(k)} for x in open(d / "metrics.jsonl")]
+                for how, d in runs.items() if d.exists()}
+        final = {how: json.load(open(d / "checkpoints" / "step_000002" / "state.json")).get("objective")
+                 for how, d in runs.items() if d.exists()}
+        assert [r["step"] for r in rows["resumed"]] == [1, 2], (ranks, loss)
+        assert all(torch.equal(weights["straight"][k], weights["resumed"][k]) for k in weights["straight"]), (ranks, loss)
+        assert rows["straight"] == rows["resumed"] and final["straight"] == final["resumed"], (ranks, loss)
+        if loss == "adaptive":
+            eps = [(r["adaptive/eps_low"], r["adaptive/eps_high"]) for r in rows["straight"]]
+            print(f"{'1 process' if ranks == 'one' else '2 ranks'}: (ε_low, ε_high) after each step {eps}, "
+                  f"state {final['straight']}")
+            assert [r["adaptive/lag"] for r in rows["straight"]] == [1.0, 1.0] and final["straight"]["step"] == 2
+            assert eps[0][1] > dapo.Config().eps_high and eps[1][1] > eps[0][1]   # few tokens push up: it rises
+            assert rows["lost"][1]["adaptive/lag"] == 2.0   # restarted from its start: the step before is lost
+            assert any(not torch.equal(weights["straight"][k], weights["lost"][k]) for k in weights["straight"])
+
+
 # -----------------------------------------------------------------------------------------
 # Helpers
 
@@ -638,9 +730,38 @@ def _lora_reference_worker(model_dir):
     torch.distributed.destroy_process_group()
 
 
+def _resume_worker(out_dir, *losses):
+    """For each --loss (ADAPTIVE as "adaptive"): RESUME_ARGS straight into out_dir/<loss>/straight, then a copy
+    of it without its last checkpoint resumed into out_dir/<loss>/resumed (for ADAPTIVE also one whose state.json
+    lost the objective's state, into .../lost), every run through dapo.train in this process (or each rank's), on
+    the engine the first one starts."""
+    dapo.OBJECTIVES["adaptive"] = ADAPTIVE
+    dapo.init_distributed()
+    start, engines = dapo.start_engine, []
+    dapo.start_engine = lambda *a, **k: engines[0] if engines else engines.append(start(*a, **k)) or engines[0]
+    for loss in losses:
+        root = os.path.join(out_dir, loss)
+        dapo.train(dapo.parse_config(RESUME_ARGS + ["--loss", loss, "--out-dir", os.path.join(root, "straight")]))
+        for how in ("resumed", "lost") if loss == "adaptive" else ("resumed",):
+            if dapo.rank() == 0:
+                shutil.copytree(os.path.join(root, "straight"), os.path.join(root, how))
+                shutil.rmtree(os.path.join(root, how, "checkpoints", "step_000002"))
+                if how == "lost":
+                    path = os.path.join(root, how, "checkpoints", "step_000001", "state.json")
+                    state = json.load(open(path))
+                    del state["objective"]
+                    json.dump(state, open(path, "w"))
+            torch.distributed.barrier()
+            dapo.train(dapo.parse_config(RESUME_ARGS + ["--loss", loss, "--out-dir", os.path.join(root, how),
+                                                        "--resume"]))
+    dapo._shut_down(exiting=True)
+
+
 if __name__ == "__main__":  # the helper processes the tests above start
     if sys.argv[1] == "lora_reference":
         _lora_reference_worker(sys.argv[2])
+    elif sys.argv[1] == "resume":
+        _resume_worker(*sys.argv[2:])
     # results written: skip the interpreter's teardown, where a rank that has destroyed its process group
     # can abort while the other still tears down
     interrupt.kill_children()

@@ -897,8 +897,7 @@ def _traffic_worker(out_path):
                 return groups, t
             kept, _, seen, m = dapo.collect_batch(sample_fn, sampler, cfg)
             every = [s for g in seen for s in g]
-            for s, r in zip(every, dapo.shape_rewards(every, cfg).tolist()):
-                s["reward"] = r
+            dapo.shape_rewards(every, cfg)
             samples = [s for g in kept for s in g]
             for s, a in zip(samples, dapo.group_advantages(torch.tensor([s["reward"] for s in samples]), 4).tolist()):
                 s["adv"] = a

@@ -18,17 +18,15 @@ GB = 1e9
 
 
 def _readme_gpu_commands():
-    """The README's "Which set-up" rows for GPUs (those that install requirements.txt), as (GPUs per node, the
-    command's arguments): `python dapo.py`
-    runs on one GPU, `torchrun --nproc_per_node=N dapo.py` on N; the `...` placeholders of data files stay
-    (the plan reads no data). The run_32b.sh row is returned as its command alone."""
-    rows = [line.split("|") for line in open(os.path.join(HERE, "README.md")) if line.startswith("|")]
+    """The README's GPU commands (the code block of its "Which set-up" section that runs run_32b.sh), as (GPUs per
+    node, the command's arguments): `python dapo.py` runs on one GPU, `torchrun --nproc_per_node=N dapo.py` on N;
+    the `...` placeholders of data files stay (the plan reads no data). The run_32b.sh line is returned as its
+    command alone."""
+    text = open(os.path.join(HERE, "README.md")).read()
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", text, re.S) if "run_32b.sh" in b)
     out = []
-    for cells in rows:
-        if len(cells) < 4 or "requirements.txt" not in cells[2]:  # the GPU rows install requirements.txt
-            continue
-        command = re.search(r"`([^`]+)`", cells[3]).group(1)
-        words = shlex.split(command)
+    for command in block.replace("\\\n", " ").splitlines():
+        words = shlex.split(command, comments=True)
         if words[0] == "torchrun":
             gpus = int(next(w for w in words if w.startswith("--nproc_per_node=")).split("=")[1])
             out.append((gpus, words[words.index("dapo.py") + 1:]))
@@ -40,11 +38,11 @@ def _readme_gpu_commands():
 
 
 def test_readme_gpu_commands_fit_the_plan_with_headroom():
-    """Each GPU command of the README's "Which set-up" table, as a user copies it, fits one node of "80 GB" GPUs
+    """Each GPU command of the README's "Which set-up" section, as a user copies it, fits one node of "80 GB" GPUs
     (85.0e9 bytes as torch reports an H100's) by the plan: every phase's peak under 90% of the GPU, vLLM's KV cache
     holding a max-length sequence, and host
     RAM. The plan applies the CUDA preset (gradient checkpointing, one max-length sequence per micro-batch);
-    without it the 7B command needs ~840 GB a GPU while training. The table's last row, `bash run_32b.sh`, is
+    without it the 7B command needs ~840 GB a GPU while training. The block's last command, `bash run_32b.sh`, is
     planned at its node count by tests/test_tools.py::test_run_32b_plan."""
     commands = _readme_gpu_commands()
     assert [g for g, _ in commands] == [1, 8, None] and commands[-1][1] == ["bash", "run_32b.sh"], commands

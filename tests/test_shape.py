@@ -44,7 +44,7 @@ def test_dapo_py_reads_as_the_algorithm_first():
     correction lives in Part 1: none is named in its code, policy_loss and set_advantages branch only for
     DAPO's own default (dapo_token_loss, group_advantages, called by name) and leave every other --loss and
     --adv-estimator to the tables, and Part 1 reaches Part 2 only through its two tables (DAPO's own entries
-    first) and its four hooks. (That train() makes Algorithm 1's calls in order: test_dapo.py.)"""
+    first) and its five hooks. (That train() makes Algorithm 1's calls in order: test_dapo.py.)"""
     import ast
     src = open(os.path.join(HERE, "dapo.py")).read()
     lines = src.splitlines()
@@ -76,7 +76,7 @@ def test_dapo_py_reads_as_the_algorithm_first():
         assert node.value.keys[0].value == first, f"{name} names DAPO's own entry first ({first!r})"
     later = {k.value for k in tables["OBJECTIVES"].value.keys + tables["ADV_ESTIMATORS"].value.keys} - {"dapo", "grpo"}
     part2_defs = {n for n, d in defs.items() if part1 < d.lineno <= part2}
-    hooks = {"adjust_token_losses", "after_rollout", "loss_terms", "select_tokens"}
+    hooks = {"adjust_token_losses", "after_rollout", "end_of_step", "loss_terms", "select_tokens"}
     for n in body:
         if n.lineno > part1 or isinstance(n, ast.ClassDef):  # Config's fields name flags, not functions
             continue

@@ -100,9 +100,8 @@ def main():
         groups, t = dapo.sample_groups(run, rows, prompt_ids, sampler.take(a.prompts), cfg.group_size,
                                        cfg.temperature, cfg.top_p, (cfg.seed, step, 0))
         samples = [s for g in groups for s in g]
-        rewards = dapo.shape_rewards(samples, cfg)
-        for s, r, adv in zip(samples, rewards.tolist(), dapo.group_advantages(rewards, cfg.group_size).tolist()):
-            s.update(reward=r, adv=adv)
+        dapo.shape_rewards(samples, cfg)
+        dapo.set_advantages(samples, cfg)
         dapo.overlong_filtering(samples, cfg)
         ways, turn = {}, step % max(1, len(a.ways))
         t1 = time.perf_counter()
@@ -110,7 +109,7 @@ def main():
             ways[way] = update_one_way(run, cfg, copy.deepcopy(samples), step, way)
         if not a.ways:
             dapo.distribute(samples, cfg, run.share)
-            m = dapo.update_policy(run, samples, step)
+            m = dapo.update_policy(run, samples, step + 1)
         t2 = time.perf_counter()
         if a.ways:  # the step's update: the first way's
             update, m = ways[a.ways[0]]
@@ -161,7 +160,7 @@ def update_one_way(run, cfg, samples, step, way):
     run.share = dapo.sharing(run.cfg, run.model.config)
     dapo.distribute(samples, run.cfg, run.share)
     t = time.perf_counter()
-    m = dapo.update_policy(run, samples, step)
+    m = dapo.update_policy(run, samples, step + 1)
     seconds = time.perf_counter() - t
     run.cfg, run.share = cfg, dapo.sharing(cfg, run.model.config)
     return seconds, m
