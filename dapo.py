@@ -2363,7 +2363,8 @@ def preflight(cfg):
 #   meta_bytes             the bytes share_groups received this step (to_trainers reports them)
 #   gpu                    on CUDA, each phase's GPU memory this step (gpu_phase)
 #   share                  --shared-prefix resolved (sharing): True, each group's prompt forwarded
-#                          once; False, a copy per response; under sdpa, a cost rule
+#                          once; False, a copy per response; under sdpa, beta for its cost rule
+#                          (shared_parts), timed for the model on this machine (sdpa_beta)
 
 
 # -----------------------------------------------------------------------------------------
