@@ -269,8 +269,11 @@ def _update_samples(n=8, seed=0):
 
 
 def _pg_run(model, cfg, device):
-    """What policy_gradient reads of the run: --shared-prefix resolved as set_up resolves it (sharing)."""
-    return types.SimpleNamespace(cfg=cfg, model=model, pad_id=0, device=device, share=dapo.sharing(cfg, model.config))
+    """What policy_gradient reads of the run: --shared-prefix resolved as set_up resolves it (sharing); a stand-in
+    model without a transformers config takes a copy per response."""
+    config = getattr(model, "config", None)
+    return types.SimpleNamespace(cfg=cfg, model=model, pad_id=0, device=device,
+                                 share=config is not None and dapo.sharing(cfg, config))
 
 
 def _padded_collate(samples, pad_id, device, one_row=False, shared=False):

@@ -107,7 +107,7 @@ def instrument(phases, seen):
     cuda = torch.cuda.is_available()
 
     def timed(name, fn):
-        own = not (cuda and name in DAPO_PHASES.values())  # memory measured here (else by recorded, below)
+        own = not (cuda and name in DAPO_PHASES.values())  # this wrapper reads the memory (else recorded does, below)
 
         def wrapper(*a, **k):
             seen["phase"], t = name, time.perf_counter()
