@@ -88,7 +88,7 @@ def main():
     llm = dapo.start_engine(cfg, path, device)
     torch.manual_seed(cfg.seed)
     model = dapo.load_policy(cfg, path, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = dapo.adamw(model, cfg)
     dapo.sync_weights(model, llm)
     sampler = dapo.Sampler(len(rows), cfg.seed)
     run = types.SimpleNamespace(cfg=cfg, llm=llm, tokenizer=tokenizer, model=model, opt=opt, device=device,
