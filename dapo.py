@@ -1976,7 +1976,14 @@ def load_policy(cfg, path, device, weights=True, reference=False):
         model.train()  # HF checkpoints only in train mode (Qwen2 has no dropout to switch on)
     offload = cfg.cpu_offload and cuda
     mixed = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16(cfg) and not reference else {}
-    kw = {"mp_policy": MixedPrecisionPolicy(**mixed),
+    # reshard_after_forward: each layer's gathered weights are freed after its forward and gathered again (cast
+    # to bf16 under mixed precision) for its backward. One CPU process holds every weight in its shard, and its
+    # casts and copies run at memory speed (~0.1 s per 135M parameters): the copy made for a forward serves the
+    # backward too, and π_θold's no-grad pass leaves it for the first mini-batch's forward; each backward still
+    # frees it (reshard_after_backward) before AdamW changes the shard. It costs the model once in the compute
+    # dtype over a forward and its backward (lib/plan.py counts it); on GPUs, whose copies are fast and whose
+    # memory is not, and with other ranks, the weights are resharded.
+    kw = {"mp_policy": MixedPrecisionPolicy(**mixed), "reshard_after_forward": world() > 1 or cuda,
           "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy()}
     for layer in model.model.layers:
         fully_shard(layer, **kw)

@@ -145,7 +145,9 @@ def trainer_bytes(cfg, shape, world, device="cuda", layout=None):
            "adamw": 8 * T / world * on_gpu, "reference": b * P / world * on_gpu if cfg.kl_coef and not cfg.lora_rank else 0,
            "adamw_temporary": 4 * T / world * on_gpu}
     unit = max(h * h * 2 + 2 * h * kv * hd + 3 * h * i, V * h * (1 if tied else 2))  # a layer, or the root
-    out["gathered"] = 2 * unit * b              # FSDP all-gathers one unit (and prefetches the next)
+    # FSDP all-gathers one unit (and prefetches the next); one CPU process keeps every layer's copy from its forward
+    # to its backward (dapo.load_policy's reshard_after_forward)
+    out["gathered"] = (P if world == 1 and device == "cpu" else 2 * unit) * b
     seq = cfg.max_prompt_len + cfg.max_response_len
     tokens, longest, shared = layout or (micro_batch_tokens(cfg), seq, ())
     out["tokens"] = tokens

@@ -278,8 +278,10 @@ def test_cpu_plan_counts_each_part_and_sdpas_shared_masks(tmp_path):
     transient = t["gathered"] + t["activations"]
     assert peak == pytest.approx(process + vllm + t["resident"] + t["gradients"] + transient + lib_plan.CPU_KEPT * transient)
     two = lib_plan.cpu_plan(cfg, shape, layouts["rule"], 2)[1]   # two ranks: each a process, half the states
-    assert r["peak"] == peak and two == pytest.approx(2 * (peak - t["resident"] - t["gradients"]) + t["resident"]
-                                                      + t["gradients"])
+    t2 = lib_plan.trainer_bytes(cfg, shape, 2, "cpu", layouts["rule"])   # and FSDP's gathered units alone
+    assert t["gathered"] == 2 * t["params"] > t2["gathered"]   # one process keeps every layer's bf16 copy
+    assert r["peak"] == peak and two == pytest.approx(2 * (process + vllm + t2["resident"] + t2["gradients"] + (
+        1 + lib_plan.CPU_KEPT) * (t2["gathered"] + t2["activations"])))
     shared_peak = lib_plan.cpu_plan(cfg, shape, layouts["shared"])[1]
     assert lib_plan.trainer_bytes(cfg, shape, 1, "cpu", layouts["shared"])["masks"] == 2 * 4352 ** 2 * 2 * 30
     assert shared_peak > peak   # two 4,352-position masks in 30 layers outweigh the tokens saved
