@@ -82,6 +82,7 @@ def main():
                           micro_batch_size=a.micro_batch_size, micro_batch_tokens=a.micro_batch_tokens, lr=1e-6,
                           warmup_steps=1, precision=a.precision[0], tis_cap=a.tis_cap, shared_prefix=a.shared_prefix)
     device = dapo.init_distributed()
+    dapo.keep_freed_memory()
     tokenizer = AutoTokenizer.from_pretrained(path)
     rows = dapo.load_data(cfg.train_data, cfg.dedup, False) if a.train_data else demo_model.demo_task(cfg.seed)[0]
     prompt_ids = dapo.encode_prompts(tokenizer, [r["prompt"] for r in rows])
