@@ -1294,7 +1294,9 @@ def generate(run, prompts, n, temperature, top_p, key):
     cfg = run.cfg
     params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=cfg.max_response_len,
                             logprobs=0, flat_logprobs=True, detokenize=False)
-    with seeded_engine(run.llm, *key, "dp", rank() // cfg.tp_size):
+    # on a CPU in bf16, vLLM's fp32 head multiplies bf16 weights and hidden states: bf16_operands_matmul is exact
+    with seeded_engine(run.llm, *key, "dp", rank() // cfg.tp_size), \
+            bf16_operands_matmul(bf16(cfg) and not torch.cuda.is_available()):
         requests = [{"prompt_token_ids": p} for p in prompts]
         outs = run.llm.generate(requests, params, use_tqdm=False) if requests else []
     local = []
