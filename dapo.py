@@ -1265,7 +1265,9 @@ def generate(run, prompts, n, temperature, top_p, key):
     cfg = run.cfg
     params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=cfg.max_response_len,
                             logprobs=0, flat_logprobs=True, detokenize=False)
-    with seeded_engine(run.llm, *key, "dp", rank() // cfg.tp_size):
+    # on a CPU in bf16, vLLM's fp32 head multiplies bf16 weights and hidden states: bf16_operands_matmul is exact
+    with seeded_engine(run.llm, *key, "dp", rank() // cfg.tp_size), \
+            bf16_operands_matmul(bf16(cfg) and not torch.cuda.is_available()):
         requests = [{"prompt_token_ids": p} for p in prompts]
         outs = run.llm.generate(requests, params, use_tqdm=False) if requests else []
     local = []
@@ -1667,37 +1669,71 @@ def forward_logprobs(model, batch, temperature, chunk):
             pad_sequence(ent[0].split(batch["lengths"]), batch_first=True))
 
 
-def _chunk_logprobs(hidden, weight, targets, temperature):
-    # the head in fp32, as vLLM runs it (head_dtype="float32"): bf16 logits near 20 are 0.125
-    # apart, far coarser than the policy changes the ratio measures
-    x = (hidden.float() @ weight.float().T) / temperature
-    lse = torch.logsumexp(x, -1)
-    logp = x.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    with torch.no_grad():  # entropy is monitored, not trained on
-        ent = lse - (torch.softmax(x, -1) * x).sum(-1)
-    return logp, ent
+def _head_pass(hidden, weight, targets, temperature, bf16_operands):
+    """One chunk of the head: (n,) log π of the targets and entropies, and the (n, V) e = exp(x - max x) and its
+    row sums s that their gradient reads, from ONE exp over the fp32 logits x: log π_t = (x_t - max) - log s,
+    H = log s - Σ e (x - max) / s. The logits in fp32, as vLLM runs its head (head_dtype="float32"): bf16 logits
+    near 20 are 0.125 apart, far coarser than the policy changes the ratio measures. bf16_operands: the hidden
+    states and weight hold bf16 values (bf16_operands_matmul)."""
+    with bf16_operands_matmul(bf16_operands):
+        x = hidden.float() @ weight.float().T
+    if temperature != 1.0:
+        x /= temperature
+    x -= x.amax(-1, keepdim=True)
+    xt = x.gather(-1, targets[:, None])[:, 0]
+    e = torch.exp(x)
+    s = e.sum(-1)
+    log_s = s.log()
+    return xt - log_s, log_s - x.mul_(e).sum(-1) / s, e, s
+
+
+class _Head(torch.autograd.Function):
+    """_head_pass with its gradient from e: d log π_t / dx = onehot(t) - e / s, written into e's memory. keep:
+    e is kept for backward; else it is recomputed there from the chunk's hidden states (one matmul more, no
+    (n, V) tensor held between forward and backward)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, bf16_operands, keep):
+        lp, ent, e, s = _head_pass(hidden, weight, targets, temperature, bf16_operands)
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.args, ctx.e = (temperature, bf16_operands), (e, s) if keep else None
+        ctx.mark_non_differentiable(ent)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, g, _):
+        hidden, weight, targets = ctx.saved_tensors
+        T = ctx.args[0]
+        e, s = ctx.e or _head_pass(hidden, weight, targets, *ctx.args)[2:]
+        ctx.e = None
+        dx = e.mul_((-g / (s * T))[:, None]).scatter_add_(-1, targets[:, None], (g / T)[:, None])
+        dh = (dx @ weight.float()).to(hidden.dtype) if ctx.needs_input_grad[0] else None
+        dw = (dx.T @ hidden.float()).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return dh, dw, None, None, None, None
 
 
 def token_logprobs(hidden, weight, targets, temperature=1.0, chunk=1024):
-    """log softmax(hidden @ weight.T / T)[targets] and the entropy, (B, T) each, with fp32 logits
-    for about `chunk` tokens at a time, recomputed in backward: at 20k tokens and a 152k vocabulary
-    a whole (T, V) fp32 logits tensor would take ~12 GB per sequence. The last chunk keeps its own:
-    its backward runs first, so recomputing it would cost a matmul and save no memory at the peak."""
-    from torch.utils.checkpoint import checkpoint
-    lps, ents = [], []
-    if weight.dtype != torch.float32 and torch.is_grad_enabled():
+    """log softmax(hidden @ weight.T / T)[targets] and the entropy, (B, T) each, with fp32 logits for about
+    `chunk` tokens at a time (_head_pass), recomputed in backward: at 20k tokens and a 152k vocabulary a whole
+    (T, V) fp32 logits tensor would take ~12 GB per sequence. The last chunk keeps its own: its backward runs
+    first, so recomputing it would cost a matmul and save no memory at the peak."""
+    B, T = targets.shape
+    bf16_operands = hidden.device.type == "cpu" and hidden.dtype == weight.dtype == torch.bfloat16
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    if weight.dtype != torch.float32:
         weight = weight.float()  # once: its gradient then adds up over the chunks in fp32, not in bf16
-    step = max(1, chunk // hidden.shape[0])  # `chunk` counts tokens over all B rows
-    for s in range(0, hidden.shape[1], step):
-        hs, tg = hidden[:, s:s + step], targets[:, s:s + step]
-        last = s + step >= hidden.shape[1]
-        if torch.is_grad_enabled() and (hs.requires_grad or weight.requires_grad) and not last:
-            lp, ent = checkpoint(_chunk_logprobs, hs, weight, tg, temperature, use_reentrant=False)
+    hidden, targets = hidden.reshape(B * T, -1), targets.reshape(B * T)
+    lps, ents = [], []
+    step = max(1, chunk)  # `chunk` counts tokens over all B rows
+    for s in range(0, B * T, step):
+        hs, tg, keep = hidden[s:s + step], targets[s:s + step], s + step >= B * T
+        if grad:
+            lp, ent = _Head.apply(hs, weight, tg, temperature, bf16_operands, keep)
         else:
-            lp, ent = _chunk_logprobs(hs, weight, tg, temperature)
+            lp, ent = _head_pass(hs, weight, tg, temperature, bf16_operands)[:2]
         lps.append(lp)
         ents.append(ent)
-    return torch.cat(lps, 1), torch.cat(ents, 1)
+    return torch.cat(lps).view(B, T), torch.cat(ents).view(B, T)
 
 
 def old_logprobs(run, my_micros):
@@ -1895,9 +1931,24 @@ def packs_one_row(cfg):
 
 
 @contextlib.contextmanager
+def bf16_operands_matmul(on):
+    """fp32 matmuls whose operands hold bf16 values (the trainer's head under --precision bf16, vLLM's fp32 head over
+    its bf16 weights), on a CPU, through oneDNN's bf16 kernels (AMX, avx512_bf16; elsewhere fp32's): they multiply
+    bf16 exactly and accumulate in fp32, so the product is the fp32 one to summation order, ~3x faster with AMX.
+    on=False (fp32 operands, or CUDA, where tf32_head decides) changes nothing."""
+    before = torch.get_float32_matmul_precision()
+    if on:
+        torch.set_float32_matmul_precision("medium")  # on CPU: oneDNN's bf16 for fp32 matmuls
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+@contextlib.contextmanager
 def tf32_head(device, cfg):
     """On CUDA in bf16 the trainer computes in bf16 (FSDP2 mixed precision), so its only fp32 matmuls are the
-    output head's (_chunk_logprobs and its backward), which vLLM's "highest" fp32 precision would run
+    output head's (_head_pass and _Head's backward), which vLLM's "highest" fp32 precision would run
     as true fp32 GEMMs. TF32 is exact for the forward: the operands are bf16 values (8 significant bits,
     TF32 keeps 11) and tensor cores accumulate in fp32, as vLLM's bf16 x bf16 -> fp32 head does. Only the
     backward's fp32 operand (the logits' gradient) is rounded to TF32. Under --precision fp32 every matmul
@@ -1973,7 +2024,14 @@ def load_policy(cfg, path, device, weights=True, reference=False):
         model.train()  # HF checkpoints only in train mode (Qwen2 has no dropout to switch on)
     offload = cfg.cpu_offload and cuda
     mixed = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16(cfg) and not reference else {}
-    kw = {"mp_policy": MixedPrecisionPolicy(**mixed),
+    # reshard_after_forward: each layer's gathered weights are freed after its forward and gathered again (cast
+    # to bf16 under mixed precision) for its backward. One CPU process holds every weight in its shard, and its
+    # casts and copies run at memory speed (~0.1 s per 135M parameters): the copy made for a forward serves the
+    # backward too, and π_θold's no-grad pass leaves it for the first mini-batch's forward; each backward still
+    # frees it (reshard_after_backward) before AdamW changes the shard. It costs the model once in the compute
+    # dtype over a forward and its backward (lib/plan.py counts it); on GPUs, whose copies are fast and whose
+    # memory is not, and with other ranks, the weights are resharded.
+    kw = {"mp_policy": MixedPrecisionPolicy(**mixed), "reshard_after_forward": world() > 1 or cuda,
           "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy()}
     for layer in model.model.layers:
         fully_shard(layer, **kw)
@@ -2402,6 +2460,21 @@ def open_logs(cfg, device, resumed_step):
     return logs
 
 
+def keep_freed_memory():
+    """glibc hands every freed block over its mmap threshold (32 MB at most) back to the kernel at once, and trims
+    its heap's top: the next large tensor (the head's (chunk, V) logits, vLLM's fp32 copy of its head at every
+    decode step, FSDP's cast of the embedding) is then faulted in again page by page, zeroed, which takes ~4x
+    as long as writing it (200 MB: 59 against 13 ms, 2 Xeon cores). Kept in the heap, blocks are reused. A
+    no-op where the C library is not glibc."""
+    import ctypes
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt(-3, 2**30)  # M_MMAP_THRESHOLD: blocks up to 1 GiB from the heap
+    mallopt(-1, 2**30)  # M_TRIM_THRESHOLD: keep up to 1 GiB free at the heap's top
+
+
 def set_up(cfg):
     """Checks, data, vLLM, then (unless --eval-only) the policy and optimizer, restored on resume,
     and the log files. Returns the run: everything the loop needs."""
@@ -2413,6 +2486,7 @@ def set_up(cfg):
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
         torch.use_deterministic_algorithms(True)
     device = init_distributed(cfg.collective_timeout_min)
+    keep_freed_memory()
     applied = [f"{name} ({', '.join(f'{k}={v}' for k, v in p.items() if getattr(cfg, k) == v)})"
                for name, p in presets(cfg) if p]
     print0(f"presets: {'; '.join(applied) or 'none (the paper defaults)'} (a flag given wins)")
@@ -2438,8 +2512,7 @@ def set_up(cfg):
     if cfg.kl_coef:  # the initial policy, never a checkpoint's export: the reference stays where it began
         # (with --lora-rank: the policy with its adapters off, lib/lora.py, no second model)
         run.ref = run.model if cfg.lora_rank else load_policy(cfg, original, device, reference=True)
-    run.opt = torch.optim.AdamW([p for p in run.model.parameters() if p.requires_grad], lr=cfg.lr,
-                                weight_decay=cfg.weight_decay)  # with --lora-rank, the adapters alone
+    run.opt = adamw(run.model, cfg)  # with --lora-rank, the adapters alone
     adamw_state_now(run.opt)  # while vLLM is awake, before its first sleep
     run.sampler = Sampler(len(train_rows), cfg.seed, keep=cfg.gen_batch_size)
     run.carried = restore_carried(state.get("carried", []), cfg)  # --carry-surplus's groups
@@ -2455,6 +2528,14 @@ def set_up(cfg):
     run.sleep = device.type == "cuda" and cfg.vllm_sleep  # vLLM's sleep mode exists on CUDA only
     run.logs = open_logs(cfg, device, state["step"] if ckpt else None)
     return run
+
+
+def adamw(model, cfg):
+    """AdamW on the parameters that train: torch's fused kernel (one pass over each parameter, its gradient and
+    moments; on CPU too, and on FSDP2's DTensors) instead of the default per-tensor loop of ~10 operations a
+    parameter on CPU: the same update to float rounding (tests/test_update.py)."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                             weight_decay=cfg.weight_decay, fused=True)
 
 
 def adamw_state_now(opt):

@@ -66,10 +66,6 @@ FRAGMENTATION = 1 / 3
 # getChosenWorkspaceSize, and forward and backward run on two threads, two handles), RoPE's inv_freq and its
 # cos/sin tables, the loss's scalars, AdamW's step counts.
 OTHER_GB = 0.5
-# The caching allocator's rounding of AdamW's temporary, one tensor per parameter tensor: a request between 1 and
-# 10 MB takes a 2 MiB-rounded segment that is not split (CUDACachingAllocator.cpp: kRoundLarge, kSmallSize), so up
-# to 1 MiB of waste a tensor on average; smaller ones round to 512 bytes.
-ROUNDING_PER_TENSOR = 2**20
 
 # Shapes for planning when the model's config is not on disk (hidden, layers, heads, kv heads,
 # intermediate, vocab, tied embeddings), from the Qwen2.5 base models' config.json files.
@@ -144,9 +140,8 @@ def trainer_bytes(cfg, shape, world, device="cuda", layout=None):
     tools/trainer_check.py sets it beside what a GPU measures: the sharded states (fp32 parameters, AdamW's m
     and v; with --kl-coef the reference), the gradients (only between a mini-batch's first backward and its
     optimizer step), FSDP's gathered layers, one micro-batch's activations and logits, flex's copied KV heads,
-    the allocator's fragmentation, and AdamW's step temporary: torch's foreach AdamW (torch/optim/adam.py,
-    _multi_tensor_adam) takes the square root of v into new tensors, one fp32 shard's worth, after backward
-    has freed the activations: a peak of its own. With --cpu-offload the states live in CPU RAM. On a CPU (sdpa)
+    the allocator's fragmentation. AdamW's step adds nothing: torch's fused kernel (dapo.adamw; torch/optim/adam.py,
+    _fused_adam) updates each parameter and its moments in place. With --cpu-offload the states live in CPU RAM. On a CPU (sdpa)
     layout gives the largest micro-batch as dapo.py cuts it (cpu_layout): its tokens, its longest row, and the
     positions of its shared sequences, whose dense (L, L) masks sdpa keeps in every layer."""
     h, L, nh, kv, i, V, tied, hd = shape
@@ -157,16 +152,13 @@ def trainer_bytes(cfg, shape, world, device="cuda", layout=None):
     A = lora_params(shape, cfg.lora_rank)       # --lora-rank: only the adapters have gradients and AdamW state
     T = A if cfg.lora_rank else P               # the trained parameters
     out = {"params": P, "adapters": A, "parameters": 4 * (P + A) / world * on_gpu, "gradients": 4 * T / world * on_gpu,
-           "adamw": 8 * T / world * on_gpu, "reference": b * P / world * on_gpu if cfg.kl_coef and not cfg.lora_rank else 0,
-           "adamw_temporary": 4 * T / world * on_gpu}
-    # parameter tensors: q, k, v (and their biases), o, gate, up, down and two norms a layer; embedding, final norm
-    # and an untied head (with --lora-rank: two adapters for each of a layer's 7 matrices)
-    out["tensors"] = 14 * L if cfg.lora_rank else 12 * L + 2 + (0 if tied else 1)
+           "adamw": 8 * T / world * on_gpu, "reference": b * P / world * on_gpu if cfg.kl_coef and not cfg.lora_rank else 0}
     cuda = device == "cuda"
-    out["rounding"] = ROUNDING_PER_TENSOR * out["tensors"] * on_gpu if cuda else 0
     out["other"] = OTHER_GB * GB if cuda else 0
     unit = max(h * h * 2 + 2 * h * kv * hd + 3 * h * i, V * h * (1 if tied else 2))  # a layer, or the root
-    out["gathered"] = 2 * unit * b              # FSDP all-gathers one unit (and prefetches the next)
+    # FSDP all-gathers one unit (and prefetches the next); one CPU process keeps every layer's copy from its forward
+    # to its backward (dapo.load_policy's reshard_after_forward)
+    out["gathered"] = (P if world == 1 and device == "cpu" else 2 * unit) * b
     seq = cfg.max_prompt_len + cfg.max_response_len
     tokens, longest, shared = layout or (micro_batch_tokens(cfg), seq, ())
     out["tokens"] = tokens
@@ -179,8 +171,7 @@ def trainer_bytes(cfg, shape, world, device="cuda", layout=None):
     out["fragmentation"] = FRAGMENTATION * (out["gathered"] + acts + out["kv_copy"])
     out["resident"] = out["parameters"] + out["adamw"] + out["reference"]  # held from loading to the end
     out["training"] = out["resident"] + out["gradients"] + out["gathered"] + acts + out["kv_copy"] + out["other"]
-    out["stepping"] = (out["resident"] + out["gradients"] + out["adamw_temporary"] + out["rounding"]  # opt.step()
-                       + out["other"])
+    out["stepping"] = out["resident"] + out["gradients"] + out["other"]  # opt.step(), in place
     return out
 
 
@@ -188,7 +179,7 @@ def memory_plan(cfg, shape, nodes, gpus_per_node, gpu_gb, device="cuda", weight_
                 export_bytes=2):
     """Bytes per GPU, by phase, and host RAM per node (host_plan). Returns (rows of (name, bytes), verdict
     dict). Each phase's peak adds what it holds: loading (load_hf_weights, vLLM awake), training (vLLM asleep),
-    AdamW's step (its temporary, the activations gone) and generating (no gradients), each with the CUDA
+    AdamW's step (in place, the activations gone) and generating (no gradients), each with the CUDA
     context and NCCL's buffers. gpu_gb is the GPU's memory as torch reports it (total_memory / 1e9: ~85.0 for
     an "80 GB" H100), of which vLLM takes --gpu-memory-utilization. The GPU fits when every peak stays under
     HEADROOM of gpu_gb and vLLM's KV cache holds one max-length sequence; "fits" needs the host side
@@ -227,8 +218,6 @@ def memory_plan(cfg, shape, nodes, gpus_per_node, gpu_gb, device="cuda", weight_
         rows.append((f"KV heads copied for flex attention ({nh} heads)", kv_copy))
     rows += [
         ("fragmentation, 1/3 of gathered + " + ("acts + KV copy" if kv_copy else "activations"), t["fragmentation"]),
-        ("AdamW's step temporary (an fp32 shard)", t["adamw_temporary"]),
-        ("the allocator's rounding of it, 1 MiB a tensor", t["rounding"]),
         ("other allocations (cuBLAS workspaces, RoPE tables)", t["other"]),
         (f"vLLM weights (bf16, TP {cfg.tp_size})", vllm_weights), ("vLLM KV cache", kv_cache),
         ("vLLM asleep: CUDA-graph pool, buffers" if cfg.vllm_sleep else "vLLM awake while training (--no-vllm-sleep)",
@@ -297,7 +286,7 @@ def cpu_plan(cfg, shape, layout, world=1):
     """Host memory of a run on CPUs, every rank on one machine: (rows of (name, bytes), peak bytes). layout: the largest
     micro-batch (tokens, longest row, shared sequences' lengths), as dapo.py's cpu_layout cuts it. A rank holds its
     process and reward workers, vLLM's weights (in the compute dtype) and KV cache (--cpu-kv-cache-gb), and the
-    trainer: its sharded states, then one micro-batch's activations (and sdpa's masks), or AdamW's step temporary."""
+    trainer: its sharded states, then one micro-batch's activations (and sdpa's masks)."""
     t = trainer_bytes(cfg, shape, world, "cpu", layout)
     b = 2 if cfg.precision == "bf16" else 4
     process = (CPU_PROCESS_GB + cfg.reward_workers * REWARD_WORKER_GB) * GB
@@ -310,8 +299,7 @@ def cpu_plan(cfg, shape, layout, world=1):
             ("fp32 parameters, gradients, AdamW (m, v)", world * (t["resident"] + t["gradients"])),
             (f"activations + logits, {t['tokens']} tokens/micro-batch" + (" (with sdpa's shared masks)" if t["masks"]
                                                                           else ""), world * t["activations"]),
-            (f"what the allocator keeps, {CPU_KEPT:g} x the activations", world * CPU_KEPT * transient),
-            ("AdamW's step temporary", world * t["adamw_temporary"]), ("peak", peak)]
+            (f"what the allocator keeps, {CPU_KEPT:g} x the activations", world * CPU_KEPT * transient), ("peak", peak)]
     return rows, peak
 
 

@@ -937,6 +937,7 @@ def _sync_worker(model_dir, precision):
     device = dapo.init_distributed()
     llm = dapo.start_engine(cfg, model_dir, device, dummy_weights=True)
     model = dapo.load_policy(cfg, model_dir, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2)   # before any forward, as set_up: the sharded params
     prompt = [20, 5, 6, 13, 7, 8, 15]
 
     def compare(seed):  # vLLM's log-probs of its own sample (flat, as dapo asks) against the trainer's
@@ -964,7 +965,6 @@ def _sync_worker(model_dir, precision):
         lp, vllm_lp = compare(0)
     print("step-0 logp diff", (lp - vllm_lp).abs().max().item())
     # one optimizer step on the trainer, the sync, then the same comparison: no dapo statistic involved
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
     before = lp
     lp, _ = compare(0)
     (-lp.sum()).backward()

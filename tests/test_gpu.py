@@ -297,28 +297,28 @@ def test_trainer_check_per_tensor_rows_catch_an_error_in_one_q_projection():
 
 def test_trainer_check_memory_rows_are_two_sided_against_a_named_allowance():
     """The memory rows on stand-in peaks: within the band they pass; a plan twice too large (measured / plan 0.5)
-    fails as surely as a plan too small; each row names the allowance its plan carries. The plan's own: the
-    step's allowance (the allocator's rounding) is its own row, beside a fixed allowance for the rest."""
+    fails as surely as a plan too small; each row names the allowance its plan carries. AdamW's fused step adds
+    nothing by the plan: its row passes what fits the allowance for other allocations, and fails the fp32 shard
+    torch's foreach step would add (1.5B on one GPU: 6 GB)."""
     sys.path.insert(0, os.path.join(HERE, "tools"))
     import trainer_check
     from lib import plan
     cfg = dapo.parse_config(["--model", "Qwen2.5-1.5B", "--max-response-len", "4096", "--overlong-cache-len", "1024"],
                             cuda=True)
     t = plan.trainer_bytes(cfg, plan.model_shape("Qwen2.5-1.5B"), 1, "cuda")
-    assert t["other"] == plan.OTHER_GB * 1e9 and t["tensors"] == 12 * 28 + 2
-    assert t["stepping"] == t["resident"] + t["gradients"] + t["adamw_temporary"] + t["rounding"] + t["other"]
-    planned = {"training, allocated": t["training"], "training, reserved": t["training"] + t["fragmentation"],
-               "AdamW step, added": t["adamw_temporary"] + t["rounding"]}
+    assert t["other"] == plan.OTHER_GB * 1e9
+    assert t["stepping"] == t["resident"] + t["gradients"] + t["other"]
+    planned = {"training, allocated": t["training"], "training, reserved": t["training"] + t["fragmentation"]}
 
-    def verdicts(scale):
-        rows = trainer_check.memory_rows("stand-in", {k: v * scale for k, v in planned.items()}, planned,
-                                         {"AdamW step, added": t["rounding"]}, t["other"])
+    def verdicts(scale, added):
+        rows = trainer_check.memory_rows("stand-in", {**{k: v * scale for k, v in planned.items()},
+                                                      "AdamW step, added": added}, planned, t["other"])
         assert all("with its allowance" in r["limit"] for r in rows)
         return [r["ok"] for r in rows]
-    assert verdicts(0.95) == [True, True, True]
-    assert verdicts(0.5) == [False, False, False]   # a plan twice too large
-    assert verdicts(1.05) == [False, False, False]  # too small
-
+    assert verdicts(0.95, 2**20) == [True, True, True]
+    assert verdicts(0.5, 2**20) == [False, False, True]   # a plan twice too large
+    assert verdicts(1.05, 2**20) == [False, False, True]  # too small
+    assert verdicts(0.95, 4 * t["params"]) == [True, True, False]  # a foreach step's sqrt(v), an fp32 shard
 
 def test_trainer_check_peaks_by_exact_name_and_the_speed_floor(monkeypatch):
     """The GPU's peaks by its exact name (an L40 is not an L4; an unknown GPU says so and its speed row is skipped,

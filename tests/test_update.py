@@ -176,6 +176,16 @@ def test_forward_passes_per_step_need_no_separate_old_log_prob_pass_at_mu_1(guar
         assert r["first_minibatch_grad_diff"] == 0.0 and r["grad_scale"] > 1e-4
 
 
+def test_the_fused_adamw_step_is_the_per_tensor_loops_to_float_rounding(guards):
+    """dapo.adamw (torch's fused kernel, on FSDP2's DTensor shards of 2 ranks) against torch's per-tensor loop, one
+    step from the same weights, moments, count and gradient: the weights differ by at most 2 fp32 roundings of the
+    largest weight (2 x 2^-24 relative), while the step itself moves them by orders of magnitude more."""
+    for r in guards:
+        a = r["adamw"]
+        print(f"fused - loop: {a['gap']:.1e}; the step: {a['update']:.1e}; largest weight {a['weight']:.2f}")
+        assert a["fused"] and a["gap"] <= 2 * 2**-24 * a["weight"] and a["update"] > 1e3 * a["gap"]
+
+
 def test_grad_clip_0_leaves_the_gradients_and_both_report_the_norm_before_clipping(guards):
     """--grad-clip 0 leaves the gradients as they are; a tiny --grad-clip scales them to it; both report the
     norm before clipping (of ~0.5M fp32 squares, shard by shard or whole: equal to ~1e-4, sqrt(n) ulps)."""
@@ -265,7 +275,7 @@ def _update_worker(model_dir, out_path):
     cfg = dapo.Config(micro_batch_size=2, num_mini_batches=1, lr=1e-3, logprob_chunk=4, max_nonfinite=2,
                       max_sync_diff=0.0)   # vLLM's log-probs here are a constant -3: off, but in part 10
     model = dapo.load_policy(cfg, model_dir, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.1)
+    opt = dapo.adamw(model, cfg)   # fused, on the DTensor shards of 2 ranks
     run = dapo.types.SimpleNamespace(model=model, opt=opt, cfg=cfg, pad_id=0, device=device, state={}, step=1,
                                      share=True)
 
@@ -389,6 +399,24 @@ def _update_worker(model_dir, out_path):
         out["sync_stop"] = str(e)
     out["sync_stop_moved"] = max((w2[k] - v).abs().max().item() for k, v in full().items())
     out["sync_stop_adam_steps"] = steps == {k: v["step"].item() for k, v in opt.state.items()}
+    # 11. dapo.adamw's fused step against torch's per-tensor loop (foreach=False), from the same weights, moments,
+    # step count and gradient: the weights they give differ by float rounding alone
+    gradient(cfg, _update_samples(seed=9))
+    params = [p for p in model.parameters()]
+    shards = [p.detach().to_local().clone() for p in params]
+    loop = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=False)
+    loop.load_state_dict(__import__("copy").deepcopy(opt.state_dict()))
+    before = full()
+    opt.step()
+    fused = full()
+    with torch.no_grad():
+        for p, w in zip(params, shards):
+            p.to_local().copy_(w)
+    loop.step()
+    out["adamw"] = {"fused": opt.param_groups[0]["fused"], "gap": max((fused[k] - v).abs().max().item()
+                    for k, v in full().items()), "update": max((fused[k] - v).abs().max().item()
+                                                              for k, v in before.items()),
+                    "weight": max(v.abs().max().item() for v in before.values())}
     with open(f"{out_path}.{dapo.rank()}", "w") as f:
         json.dump(out, f)
     torch.distributed.barrier()

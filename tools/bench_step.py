@@ -8,6 +8,7 @@
     python tools/bench_step.py --ways default plain shared   # the update each way on the same samples, one process
     python tools/bench_step.py --ways default plain --model $(python tools/real_model.py) \
         --train-data data/chain/train.jsonl --prompts 8 --max-response-len 64 --num-mini-batches 4  # the ladder's
+    python tools/bench_step.py --profile ...      # and the last step's update under torch.profiler, by part
 
 A random-init tiny Qwen2 (the demo's shape, vocabulary 128, fp32): EOS is one token in 128, so
 responses average ~110 tokens at a maximum of 256, ragged as DAPO's are. Dynamic sampling off,
@@ -19,6 +20,9 @@ sequences) unless --micro-batch-tokens is given. Prints the medians over --steps
 step's samples, step k starting with way k mod (the number of ways), so that no way always runs first, and
 prints each way's median and its ratio to plain's. --model and --train-data replace the tiny model and the
 built-in task (dapo.py's presets for the model apply: the laptop preset for tools/real_model.py's).
+--profile runs the last step's update once more under torch.profiler and adds up every operator's own time by
+part (PARTS: matrix products, attention, the head, FSDP2's casts and copies, AdamW, clipping, the rest), then
+prints the update over its matrix products and attention together.
 """
 import argparse
 import copy
@@ -58,6 +62,8 @@ def main():
     p.add_argument("--model", default="", help="a model directory instead of the random tiny Qwen2")
     p.add_argument("--train-data", default="", help="with --model: its data file instead of the built-in task")
     p.add_argument("--num-mini-batches", type=int, default=1)
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed steps, the last step's update again under torch.profiler, by part (PARTS)")
     a = p.parse_args()
     if len(a.precision) > 1:
         return side_by_side(a)
@@ -82,13 +88,15 @@ def main():
                           micro_batch_size=a.micro_batch_size, micro_batch_tokens=a.micro_batch_tokens, lr=1e-6,
                           warmup_steps=1, precision=a.precision[0], tis_cap=a.tis_cap, shared_prefix=a.shared_prefix)
     device = dapo.init_distributed()
+    getattr(dapo, "keep_freed_memory", lambda: None)()  # (this tool also profiles older checkouts: --profile)
     tokenizer = AutoTokenizer.from_pretrained(path)
     rows = dapo.load_data(cfg.train_data, cfg.dedup, False) if a.train_data else demo_model.demo_task(cfg.seed)[0]
     prompt_ids = dapo.encode_prompts(tokenizer, [r["prompt"] for r in rows])
     llm = dapo.start_engine(cfg, path, device)
     torch.manual_seed(cfg.seed)
     model = dapo.load_policy(cfg, path, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = dapo.adamw(model, cfg) if hasattr(dapo, "adamw") else torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)  # older dapo.py: torch's default AdamW
     dapo.sync_weights(model, llm)
     sampler = dapo.Sampler(len(rows), cfg.seed)
     run = bench_run(cfg, llm, tokenizer, model, opt, device)
@@ -103,6 +111,7 @@ def main():
         dapo.shape_rewards(samples, cfg)
         dapo.set_advantages(samples, cfg)
         dapo.overlong_filtering(samples, cfg)
+        last = copy.deepcopy(samples) if a.profile else None
         ways, turn = {}, step % max(1, len(a.ways))
         t1 = time.perf_counter()
         for way in a.ways[turn:] + a.ways[:turn]:  # each step another way first
@@ -141,6 +150,78 @@ def main():
     dapo.print0(f"  update per real token {med['update_per_token'] * 1e6:8.1f} us")
     for k in sorted(k for k in med if "/" in k):
         dapo.print0(f"  {k:<24} {med[k]:.3g}")
+    if a.profile:
+        profile_update(run, cfg, last, step)
+
+
+# --profile's parts, in the order printed: every operator's own (self) time goes to the first that claims it
+PARTS = ("matrix products, decoder", "matrix products, head", "attention (sdpa)", "head, element-wise",
+         "FSDP2's casts and copies", "AdamW's step", "gradient clipping", "decoder element-wise, the rest")
+
+
+def profile_update(run, cfg, samples, step):
+    """update_policy on `samples` under torch.profiler: each operator's own time by PARTS (the head: what runs in
+    dapo.py's head functions, forward, recomputed or backward; FSDP2: what its FSDP:: scopes run), the update's wall
+    time, and the update over its matrix products and attention together."""
+    import functools
+    from torch.autograd.profiler import record_function
+    from torch.profiler import profile
+
+    def scoped(fn, scope, *args, **kw):
+        with record_function(scope):
+            return fn(*args, **kw)
+
+    kept = {}  # _chunk_logprobs: the head of dapo.py before _head_pass, for profiles of older checkouts
+    for name, scope in (("token_logprobs", "head"), ("_head_pass", "head"), ("_chunk_logprobs", "head"),
+                        ("clip_gradients", "clip")):
+        if not hasattr(dapo, name):
+            continue
+        kept[name] = getattr(dapo, name)
+        setattr(dapo, name, functools.partial(scoped, kept[name], scope))
+    dapo.distribute(samples, cfg, run.share)
+    try:
+        with profile() as prof:
+            t = time.perf_counter()
+            dapo.update_policy(run, samples, step)
+            wall = time.perf_counter() - t
+    finally:
+        for name, fn in kept.items():
+            setattr(dapo, name, fn)
+    def up(e):  # e and the events it runs within
+        while e is not None:
+            yield e
+            e = e.cpu_parent
+
+    events = prof.events()
+    # the head's backward: the autograd nodes of operators its forward ran (the same sequence number)
+    in_head = {e.sequence_nr for e in events if e.sequence_nr >= 0 and any(p.name == "head" for p in up(e))}
+    total = dict.fromkeys(PARTS, 0.0)
+    for e in events:
+        names = [p.name for p in up(e)]
+        head = "head" in names or any(p.name.startswith("autograd::engine") and p.sequence_nr in in_head
+                                      for p in up(e))
+        if any(n.startswith("Optimizer.step") for n in names):
+            part = "AdamW's step"
+        elif e.name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"):
+            part = "matrix products, head" if head else "matrix products, decoder"
+        elif "scaled_dot_product" in e.name:
+            part = "attention (sdpa)"
+        elif any(n.startswith("FSDP::") for n in names):
+            part = "FSDP2's casts and copies"
+        elif head:
+            part = "head, element-wise"
+        elif "clip" in names:
+            part = "gradient clipping"
+        else:
+            part = "decoder element-wise, the rest"
+        total[part] += e.self_cpu_time_total / 1e6
+    ops = sum(total.values())
+    dapo.print0(f"profile of one update (torch.profiler; each operator's own time, by part):")
+    for part, t in total.items():
+        dapo.print0(f"  {part:<32} {t:7.2f} s  {t / ops:6.1%}")
+    arithmetic = sum(total[k] for k in PARTS[:3])
+    dapo.print0(f"  update {wall:.2f} s (its operators {ops:.2f} s); matrix products and attention {arithmetic:.2f} s: "
+                f"the update is {wall / arithmetic:.2f}x them")
 
 
 def bench_run(cfg, llm, tokenizer, model, opt, device):
