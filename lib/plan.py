@@ -98,9 +98,10 @@ def activation_bytes(shape, tokens, b, checkpointing, chunk, seq=None, flash=Tru
     outputs (2h x b), q/k/v (h + 2 kv_dim), the attention output twice (2h: sdpa out, o_proj
     input), and four (T, intermediate) MLP tensors: gate, up, silu(gate), their product.
     Checkpointing keeps one (T, h) input per layer instead. On top of that, backward peaks either
-    in one layer (recomputed activations and gradient temporaries) or in the fused head: ~5 fp32
-    (chunk, V) tensors (logits, softmax and their gradients) and an fp32 copy of the head weight (in bf16,
-    and the fp32 gradient that dapo.token_logprobs's chunks add into, rounded to bf16 once).
+    in one layer (recomputed activations and gradient temporaries) or in the fused head: 2 fp32
+    (chunk, V) tensors (dapo._head_pass's logits and their exponentials, which _Head's backward turns into
+    the logits' gradient in place) and an fp32 copy of the head weight (in bf16, and the fp32 gradient that
+    dapo.token_logprobs's chunks add into, rounded to bf16 once).
     No (T, V) logits tensor exists. Without flash attention (CPU), sdpa's backward materialises
     (heads, S, S) twice per sequence of length S. Measured on CPU in the tests.
     kv_copy: transformers' flex attention copies the KV heads up to the query heads where their count is
@@ -110,7 +111,7 @@ def activation_bytes(shape, tokens, b, checkpointing, chunk, seq=None, flash=Tru
     layer = 2 * h * 4 + (2 * h + h + 2 * kv * hd + 2 * h + 4 * i + (2 * nh * hd if kv_copy else 0)) * b
     kept = tokens * (L * h * b if checkpointing else L * layer)
     one_layer = tokens * layer * (2 if checkpointing else 1)
-    head = 5 * min(chunk, tokens) * V * 4 + V * h * 4 * (2 if b == 2 else 1)
+    head = 2 * min(chunk, tokens) * V * 4 + V * h * 4 * (2 if b == 2 else 1)
     seq = seq or tokens
     attn = 0 if flash else 2 * nh * seq * seq * b * max(1, tokens // seq)
     return kept + max(one_layer, head) + attn
