@@ -2030,8 +2030,8 @@ def load_policy(cfg, path, device, weights=True, reference=False):
     # backward too, and π_θold's no-grad pass leaves it for the first mini-batch's forward; each backward still
     # frees it (reshard_after_backward) before AdamW changes the shard. It costs the model once in the compute
     # dtype over a forward and its backward (lib/plan.py counts it); on GPUs, whose copies are fast and whose
-    # memory is not, and with other ranks, the weights are resharded.
-    kw = {"mp_policy": MixedPrecisionPolicy(**mixed), "reshard_after_forward": world() > 1 or cuda,
+    # memory is not, and with other ranks, the weights are resharded; so is the reference, which has no backward.
+    kw = {"mp_policy": MixedPrecisionPolicy(**mixed), "reshard_after_forward": world() > 1 or cuda or reference,
           "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy()}
     for layer in model.model.layers:
         fully_shard(layer, **kw)
@@ -2214,6 +2214,8 @@ def load_checkpoint(ckpt, model, opt):
     except Exception as e:
         raise DapoError(f"cannot resume from {ckpt}: {one_line(e, 300)}")
     set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    for group in opt.param_groups:  # a checkpoint's groups carry how it stepped: an older one's per-tensor loop
+        group.update(fused=True, foreach=None)  # would replace adamw's fused step (and its memory plan)
     rng_file = os.path.join(ckpt, f"rng_rank{rank()}.pt")
     if os.path.exists(rng_file):
         rng = torch.load(rng_file, weights_only=False)

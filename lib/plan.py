@@ -100,8 +100,8 @@ def activation_bytes(shape, tokens, b, checkpointing, chunk, seq=None, flash=Tru
     Checkpointing keeps one (T, h) input per layer instead. On top of that, backward peaks either
     in one layer (recomputed activations and gradient temporaries) or in the fused head: 2 fp32
     (chunk, V) tensors (dapo._head_pass's logits and their exponentials, which _Head's backward turns into
-    the logits' gradient in place) and an fp32 copy of the head weight (in bf16, and the fp32 gradient that
-    dapo.token_logprobs's chunks add into, rounded to bf16 once).
+    the logits' gradient in place), or one and a chunk's (V, h) weight gradient, whichever is larger, beside
+    the fp32 gradient the chunks add into and (in bf16) an fp32 copy of the head weight.
     No (T, V) logits tensor exists. Without flash attention (CPU), sdpa's backward materialises
     (heads, S, S) twice per sequence of length S. Measured on CPU in the tests.
     kv_copy: transformers' flex attention copies the KV heads up to the query heads where their count is
@@ -111,7 +111,8 @@ def activation_bytes(shape, tokens, b, checkpointing, chunk, seq=None, flash=Tru
     layer = 2 * h * 4 + (2 * h + h + 2 * kv * hd + 2 * h + 4 * i + (2 * nh * hd if kv_copy else 0)) * b
     kept = tokens * (L * h * b if checkpointing else L * layer)
     one_layer = tokens * layer * (2 if checkpointing else 1)
-    head = 2 * min(chunk, tokens) * V * 4 + V * h * 4 * (2 if b == 2 else 1)
+    n = min(chunk, tokens)
+    head = max(2 * n * V, n * V + V * h) * 4 + V * h * 4 * (2 if b == 2 else 1)
     seq = seq or tokens
     attn = 0 if flash else 2 * nh * seq * seq * b * max(1, tokens // seq)
     return kept + max(one_layer, head) + attn
