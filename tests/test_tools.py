@@ -62,7 +62,8 @@ def test_memory_plan_matches_measured_peak():
     cases = _plans_vs_measured()
     assert set(cases) == {0, 1, 2}
     for case, (measured, planned) in cases.items():
-        print(f"{('no checkpointing', 'checkpointing', 'checkpointing, chunk 128')[case]}: measured peak {measured:.0f} MiB, planned {planned:.0f} MiB "
+        what = ("no checkpointing", "checkpointing", "checkpointing, chunk 128")[case]
+        print(f"{what}: measured peak {measured:.0f} MiB, planned {planned:.0f} MiB "
               f"({planned / measured:.2f}x); scaled by 1.5 or 0.6: {1.5 * planned / measured:.2f}x, "
               f"{0.6 * planned / measured:.2f}x")
         assert within(planned, measured)
