@@ -252,13 +252,15 @@ HOST_GB_PER_RANK = 4
 # A run on a CPU (the laptop preset): one machine's memory for every rank it runs. Besides the tensors the plan
 # counts, each rank's process holds torch, transformers and vLLM with its engine, and each reward worker sympy and
 # the checker (CPU_PROCESS_GB, REWARD_WORKER_GB: RSS measured on dapo.py's processes, tools/memwatch.py); and what
-# glibc's allocator keeps of the memory the update frees, which the next micro-batch and vLLM's next generation do
-# not reuse in full: CPU_KEPT times one micro-batch's activations (fitted to the peak of all processes of
-# tools/bench_prefix.py's long-response shape: docs/throughput.md). A run plans to use at most CPU_HEADROOM of the
-# machine's memory (MemTotal), leaving the rest to the system.
+# glibc's allocator keeps of the memory the update frees (dapo.keep_freed_memory keeps up to 1 GiB free in the
+# heap), which the next micro-batch and vLLM's next generation do not reuse in full: CPU_KEPT times one
+# micro-batch's transient memory (activations, gathered layers), a bound: the most any of tools/bench_prefix.py's
+# shapes implied by the peak of all its processes was 1.31, on long responses (docs/throughput.md). A run plans
+# to use at most CPU_HEADROOM of the machine's memory (MemTotal, or a cgroup's limit), leaving the rest to the
+# system.
 CPU_PROCESS_GB = 1.5
 REWARD_WORKER_GB = 0.2
-CPU_KEPT = 1.1
+CPU_KEPT = 1.35
 CPU_HEADROOM = 0.75
 
 
@@ -301,7 +303,7 @@ def cpu_plan(cfg, shape, layout, world=1):
             ("fp32 parameters, gradients, AdamW (m, v)", world * (t["resident"] + t["gradients"])),
             (f"activations + logits, {t['tokens']} tokens/micro-batch" + (" (with sdpa's shared masks)" if t["masks"]
                                                                           else ""), world * t["activations"]),
-            (f"what the allocator keeps, {CPU_KEPT:g} x the activations", world * CPU_KEPT * transient), ("peak", peak)]
+            (f"what the allocator keeps, {CPU_KEPT:g} x the activations and layers", world * CPU_KEPT * transient), ("peak", peak)]
     return rows, peak
 
 
