@@ -1354,8 +1354,9 @@ def push_weights(run):
 def gpu_phase(run, phase):
     """On CUDA, the memory of the phase that just ended into run.gpu (metrics.jsonl): torch's peak allocated and
     reserved since it began, what the device has free now (mem_get_info: every process on it), and how much of
-    torch's figures is vLLM's pool (vllm_pool_bytes), GB; then the peaks start again. None starts a step. The phases, as lib/plan.py's: generation (vLLM awake), old_logp
-    (π_θold's pass, vLLM asleep), update (μ gradient steps and AdamW's), sync (vLLM woken, the weight push)."""
+    torch's figures is vLLM's pool (vllm_pool_bytes), GB; then the peaks start again. None starts a step. The
+    phases, as lib/plan.py's: generation (vLLM awake), old_logp (π_θold's pass, vLLM asleep), update (μ gradient
+    steps and AdamW's), sync (vLLM woken, the weight push)."""
     if run.device.type != "cuda":
         return
     torch.cuda.synchronize()

@@ -142,10 +142,11 @@ def trainer_bytes(cfg, shape, world, device="cuda", layout=None):
     tools/trainer_check.py sets it beside what a GPU measures: the sharded states (fp32 parameters, AdamW's m
     and v; with --kl-coef the reference), the gradients (only between a mini-batch's first backward and its
     optimizer step), FSDP's gathered layers, one micro-batch's activations and logits, flex's copied KV heads,
-    the allocator's fragmentation. AdamW's step adds nothing: torch's fused kernel (dapo.adamw; torch/optim/adam.py,
-    _fused_adam) updates each parameter and its moments in place. With --cpu-offload the states live in CPU RAM. On a CPU (sdpa)
-    layout gives the largest micro-batch as dapo.py cuts it (cpu_layout): its tokens, its longest row, and the
-    positions of its shared sequences, whose dense (L, L) masks sdpa keeps in every layer."""
+    the allocator's fragmentation. AdamW's step adds nothing: torch's fused kernel (dapo.adamw;
+    torch/optim/adam.py, _fused_adam) updates each parameter and its moments in place. With --cpu-offload the
+    states live in CPU RAM. On a CPU (sdpa) layout gives the largest micro-batch as dapo.py cuts it
+    (cpu_layout): its tokens, its longest row, and the positions of its shared sequences, whose dense (L, L)
+    masks sdpa keeps in every layer."""
     h, L, nh, kv, i, V, tied, hd = shape
     per_layer = h * h * 2 + 2 * h * kv * hd + h + 2 * kv * hd + 3 * h * i + 2 * h
     P = V * h * (1 if tied else 2) + L * per_layer + h
@@ -154,7 +155,8 @@ def trainer_bytes(cfg, shape, world, device="cuda", layout=None):
     A = lora_params(shape, cfg.lora_rank)       # --lora-rank: only the adapters have gradients and AdamW state
     T = A if cfg.lora_rank else P               # the trained parameters
     out = {"params": P, "adapters": A, "parameters": 4 * (P + A) / world * on_gpu, "gradients": 4 * T / world * on_gpu,
-           "adamw": 8 * T / world * on_gpu, "reference": b * P / world * on_gpu if cfg.kl_coef and not cfg.lora_rank else 0}
+           "adamw": 8 * T / world * on_gpu,
+           "reference": b * P / world * on_gpu if cfg.kl_coef and not cfg.lora_rank else 0}
     cuda = device == "cuda"
     out["other"] = OTHER_GB * GB if cuda else 0
     unit = max(h * h * 2 + 2 * h * kv * hd + 3 * h * i, V * h * (1 if tied else 2))  # a layer, or the root
@@ -292,7 +294,7 @@ def cpu_plan(cfg, shape, layout, world=1):
     process and reward workers, vLLM's weights (in the compute dtype) and KV cache (--cpu-kv-cache-gb), and the
     trainer: its sharded states, then one micro-batch's activations (and sdpa's masks)."""
     t = trainer_bytes(cfg, shape, world, "cpu", layout)
-    b = 2 if cfg.precision == "bf16" else 4
+    b = compute_bytes(cfg, "cpu")
     process = (CPU_PROCESS_GB + cfg.reward_workers * REWARD_WORKER_GB) * GB
     vllm = b * t["params"] + cfg.cpu_kv_cache_gb * 2**30
     transient = t["gathered"] + t["activations"] + t["kv_copy"]
@@ -303,7 +305,8 @@ def cpu_plan(cfg, shape, layout, world=1):
             ("fp32 parameters, gradients, AdamW (m, v)", world * (t["resident"] + t["gradients"])),
             (f"activations + logits, {t['tokens']} tokens/micro-batch" + (" (with sdpa's shared masks)" if t["masks"]
                                                                           else ""), world * t["activations"]),
-            (f"what the allocator keeps, {CPU_KEPT:g} x the activations and layers", world * CPU_KEPT * transient), ("peak", peak)]
+            (f"what the allocator keeps, {CPU_KEPT:g} x the activations and layers", world * CPU_KEPT * transient),
+            ("peak", peak)]
     return rows, peak
 
 

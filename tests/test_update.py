@@ -4,6 +4,7 @@ the seeds, TF32's scope, the log-ratio's clamp."""
 import os
 import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
+import copy
 import dataclasses
 import json
 import math
@@ -98,7 +99,7 @@ def test_adamw_state_is_made_before_the_first_step_and_that_step_is_the_lazy_one
     import inspect
     torch.manual_seed(0)
     models = [torch.nn.Linear(4, 3)]
-    models.append(__import__("copy").deepcopy(models[0]))
+    models.append(copy.deepcopy(models[0]))
     opts = [torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.1) for m in models]
     dapo.adamw_state_now(opts[0])
     state = opts[0].state[models[0].weight]
@@ -402,10 +403,10 @@ def _update_worker(model_dir, out_path):
     # 11. dapo.adamw's fused step against torch's per-tensor loop (foreach=False), from the same weights, moments,
     # step count and gradient: the weights they give differ by float rounding alone
     gradient(cfg, _update_samples(seed=9))
-    params = [p for p in model.parameters()]
+    params = list(model.parameters())
     shards = [p.detach().to_local().clone() for p in params]
     loop = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=False)
-    loop.load_state_dict(__import__("copy").deepcopy(opt.state_dict()))
+    loop.load_state_dict(copy.deepcopy(opt.state_dict()))
     loop.param_groups[0].update(fused=None, foreach=False)   # loading takes the saved group's flags: fused
     before = full()
     opt.step()
@@ -414,9 +415,9 @@ def _update_worker(model_dir, out_path):
         for p, w in zip(params, shards):
             p.to_local().copy_(w)
     loop.step()
-    out["adamw"] = {"fused": opt.param_groups[0]["fused"], "loop": loop.param_groups[0]["fused"], "gap": max((fused[k] - v).abs().max().item()
-                    for k, v in full().items()), "update": max((fused[k] - v).abs().max().item()
-                                                              for k, v in before.items()),
+    apart = lambda a, b: max((a[k] - v).abs().max().item() for k, v in b.items())  # noqa: E731
+    out["adamw"] = {"fused": opt.param_groups[0]["fused"], "loop": loop.param_groups[0]["fused"],
+                    "gap": apart(fused, full()), "update": apart(fused, before),
                     "weight": max(v.abs().max().item() for v in before.values())}
     with open(f"{out_path}.{dapo.rank()}", "w") as f:
         json.dump(out, f)

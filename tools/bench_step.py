@@ -151,7 +151,7 @@ def main():
     for k in sorted(k for k in med if "/" in k):
         dapo.print0(f"  {k:<24} {med[k]:.3g}")
     if a.profile:
-        profile_update(run, cfg, last, step)
+        profile_update(run, cfg, last, step + 1)  # update_policy counts steps from 1
 
 
 # --profile's parts, in the order printed: every operator's own (self) time goes to the first that claims it
@@ -190,6 +190,7 @@ def profile_update(run, cfg, samples, step):
         run.cfg = cfg
         for name, fn in kept.items():
             setattr(dapo, name, fn)
+
     def up(e):  # e and the events it runs within
         while e is not None:
             yield e
@@ -219,7 +220,7 @@ def profile_update(run, cfg, samples, step):
             part = "decoder element-wise, the rest"
         total[part] += e.self_cpu_time_total / 1e6
     ops = sum(total.values())
-    dapo.print0(f"profile of one update (torch.profiler; each operator's own time, by part):")
+    dapo.print0("profile of one update (torch.profiler; each operator's own time, by part):")
     for part, t in total.items():
         dapo.print0(f"  {part:<32} {t:7.2f} s  {t / ops:6.1%}")
     arithmetic = sum(total[k] for k in PARTS[:3])

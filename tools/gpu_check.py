@@ -130,8 +130,9 @@ def instrument(phases, seen):
         if phase and run.device.type == "cuda":
             ph, g = phases.setdefault(DAPO_PHASES[phase], {}), run.gpu
             total = torch.cuda.get_device_properties(run.device).total_memory / 1e9
-            for key, value in (("allocated", g[f"mem/{phase}_allocated_gb"]), ("reserved", g[f"mem/{phase}_reserved_gb"]),
-                               ("in_use", total - g[f"mem/{phase}_free_gb"]), ("pool", g[f"mem/{phase}_vllm_pool_gb"])):
+            read = {"allocated": g[f"mem/{phase}_allocated_gb"], "reserved": g[f"mem/{phase}_reserved_gb"],
+                    "in_use": total - g[f"mem/{phase}_free_gb"], "pool": g[f"mem/{phase}_vllm_pool_gb"]}
+            for key, value in read.items():
                 ph[key] = max(ph.get(key, 0), value)
     dapo.gpu_phase = recorded
     save, load, start_engine = dapo.save_checkpoint, dapo.load_checkpoint, dapo.start_engine

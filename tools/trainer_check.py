@@ -23,8 +23,9 @@ row, so a check stopped midway leaves every row measured so far. The checks:
   cuda preset: 2,048 + 4,096 tokens; Qwen2.5-7B's width at 2,048 + 20,480), then AdamW's step: torch's peak
   allocated and reserved beside lib/plan.py's figures for those phases (trainer_bytes, which names the allowance
   it carries), the ratio inside a band on both sides (MEMORY_BAND); AdamW's row is what the step adds over what
-  was allocated before it: nothing by the plan (the fused step works in place), at most its allowance. Each model is measured alone: nothing of the one before
-  is reachable, and allocated memory is back to its baseline (asserted);
+  was allocated before it: nothing by the plan (the fused step works in place), at most its allowance. Each
+  model is measured alone: nothing of the one before is reachable, and allocated memory is back to its
+  baseline (asserted);
 - speed: that micro-batch's forward and backward (its second run, compiled), tokens/s and model FLOP
   utilisation: the time its FLOPs take at their own precision's peak (the decoder's bf16, the fp32 head's TF32;
   PEAK_TFLOPS, by the GPU's exact name) over the measured time, against a floor it names (SPEED_FLOOR).
@@ -280,17 +281,17 @@ def check_kernels(key, device, root, emit):
     cuda = device.type == "cuda"
     a, b = ("flex_attention", "sdpa") if cuda else ("sdpa", "eager")
     path = model_dir(README[key][0], 2 if key != "tiny" else None, root)   # two layers: the kernels, not depth
+    groups, layouts = KERNELS["tiny" if key == "tiny" else "gpu"], (False, True) if cuda else (False,)
     got = {}
     for attn in (a, b):
         cfg = config_for(key, path, device, "fp32", attn)
         model = random_policy(cfg, path, device)
         vocab = model.config.vocab_size
         got[attn] = [logprobs_and_grads(model, group(p, lens, vocab), shared, dapo.packs_one_row(cfg), device)
-                     for p, lens in KERNELS["tiny" if key == "tiny" else "gpu"] for shared in ((False, True) if cuda
-                                                                                               else (False,))]
+                     for p, lens in groups for shared in layouts]
         del model
         gc.collect()
-    lengths = [p + sum(lens) for p, lens in KERNELS["tiny" if key == "tiny" else "gpu"]]
+    lengths = [p + sum(lens) for p, lens in groups]
     for n, (x, y) in enumerate(zip(got[a], got[b])):
         layout = "shared" if cuda and n % 2 else "plain"
         what = f"{a} = {b}, {README[key][0] or 'tiny'} (2 layers), {layout}, {lengths[n // (2 if cuda else 1)]} " \
