@@ -118,9 +118,10 @@ class DapoConfig:
 # The maths, in the paper's order (Eq. 7, the reward, is reward.py's): pure functions, Eq. 8 to
 # Eq. 13, then Sec. 4.1's warm-up. What the step writes into its samples follows train().
 
-# What an objective reads of one micro-batch, (B, T) each: Eq. 9's r_{i,t} ("ratio", and its log)
-# and Â_{i,t} ("adv", (B, 1): A_i on every token of o_i), the log-probs, the trained tokens' mask;
-# for Part 2's objectives, vLLM's log-probs (else π_θold's) and the tokens picked (else 0s).
+# What an objective reads of one micro-batch, (B, T) each but adv: Eq. 9's r_{i,t} ("ratio", and
+# its log) and Â_{i,t} ("adv", (B, 1): A_i on every token of o_i), the log-probs, the trained
+# tokens' mask; for Part 2's objectives, vLLM's log-probs (else π_θold's) and the tokens
+# picked (else 0s).
 Tokens = NamedTuple("Tokens", [(name, torch.Tensor) for name in (
     "logp", "old_logp", "log_ratio", "ratio", "adv", "mask", "rollout_logp", "picked")])
 # Eq. 12's denominator, decided once per mini-batch (loss_normaliser): each sample's mean first
@@ -283,9 +284,10 @@ def sample_groups(run, rows, prompt_ids, idx, n, temperature, top_p, key):
 
 def collect_batch(sample_fn, sampler, cfg, carried=()):
     """Algorithm 1, lines 2, 4-8: generation batches until N groups pass Eq. 11, or until the
-    batches left could not fill it at twice the pass rate so far. sample_fn(prompt indices, batch
-    no) -> (groups, stats). carried: --carry-surplus's groups (fewer than N), taken first. Returns
-    (the N kept groups, the surplus: the new ones past N, every group generated, stats)."""
+    batches left could not fill it at twice the pass rate so far (--no-dynamic-sampling: one batch
+    of N, all kept). sample_fn(prompt indices, batch no) -> (groups, stats). carried:
+    --carry-surplus's groups (fewer than N), taken first. Returns (the N kept groups, the surplus:
+    the new ones past N, every group generated, stats)."""
     G, N = cfg.group_size, cfg.prompts_per_step
     size = cfg.gen_batch_size if cfg.dynamic_sampling else N
     kept, generated, passing, stats, b = list(carried), [], 0, {}, 0
@@ -354,7 +356,9 @@ def update_policy(run, samples, step):
     minis, my_micros = micro_batches(samples, cfg, run.share)
     totals, grad_norms, skipped, sync = None, [], 0, {}
     with tf32_head(run.device, cfg):  # Part 3: CUDA in bf16: the fp32 head as TF32; else nothing
-        old_logprobs(run, my_micros)  # Part 3, no grad: s["old_logp"], π_θold (the record)
+        # Part 3, no grad: s["old_logp"], π_θold (the record), for mini-batches 2..μ; the first's
+        # is its own forward in policy_gradient, detached (no optimizer step yet: π_θ = π_θold)
+        old_logprobs(run, my_micros)
         for m, (mini, micros) in enumerate(zip(minis, my_micros)):
             select_tokens(mini, micros, cfg, (cfg.seed, step - 1, m))  # Part 2: off at the defaults
             run.opt.zero_grad(set_to_none=True)
@@ -1222,6 +1226,7 @@ def start_engine(cfg, path, device, dummy_weights=False):
         stale = STALE_SHM if "SHMManager failed. errno: 17" in str(e) else ""
         raise DapoError(f"vLLM could not start on model '{path}': {one_line(e, 500)}{stale}")
     unlink_group_shm()  # lib/dist.py: no run leaves vLLM's CPU TP shared memory behind
+    llm.collective_rpc(_keep_fp32_head)
     trainer_compile_threads(threads)
     return llm
 
@@ -1295,7 +1300,25 @@ def _reload_and_list_missing(worker, weights_iterator):
         worker.reload_weights(weights_iterator=weights_iterator)
     finally:
         del model.load_weights
+    _keep_fp32_head(worker)
     return sorted({name for name, _ in model.named_parameters()} - loaded)
+
+
+def _keep_fp32_head(worker):
+    """Inside vLLM's worker, after each weight load: its fp32 head (head_dtype) over bf16 weights multiplies bf16
+    into fp32 on CUDA, but elsewhere casts the (V, h) weight to fp32 at every decode step
+    (model_executor/layers/logits_processor.py, _apply_head), ~23 of the ~65 ms of a SmolLM2-135M step on 2 CPU
+    cores. The fp32 copy is made here once per load instead (the same product: the same operands)."""
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    model = worker.model_runner.get_model()
+    weight = getattr(getattr(model, "lm_head", None), "weight", None)
+    if weight is None or weight.device.type != "cpu" or weight.dtype == torch.float32:
+        return
+    kept = weight.float()
+    for proc in model.modules():
+        if isinstance(proc, LogitsProcessor) and proc.head_dtype == torch.float32:
+            proc._apply_head = lambda lm_head, hidden, bias: torch.nn.functional.linear(
+                hidden.float(), kept, None if bias is None else bias.float())
 
 
 def _gather(t, dtype):

@@ -296,12 +296,15 @@ def cpu_plan(cfg, shape, layout, world=1):
     t = trainer_bytes(cfg, shape, world, "cpu", layout)
     b = compute_bytes(cfg, "cpu")
     process = (CPU_PROCESS_GB + cfg.reward_workers * REWARD_WORKER_GB) * GB
-    vllm = b * t["params"] + cfg.cpu_kv_cache_gb * 2**30
+    h, V = shape[0], shape[5]
+    head = 4 * V * h if b < 4 else 0  # vLLM's fp32 head over bf16 weights keeps an fp32 copy (dapo._keep_fp32_head)
+    vllm = b * t["params"] + head + cfg.cpu_kv_cache_gb * 2**30
     transient = t["gathered"] + t["activations"] + t["kv_copy"]
     training = t["training"] + CPU_KEPT * transient
     peak = world * (process + vllm + max(training, t["stepping"]))
     rows = [(f"processes: {world} x (torch, vLLM, {cfg.reward_workers} reward workers)", world * process),
-            (f"vLLM: weights and {cfg.cpu_kv_cache_gb:g} GiB of KV cache", world * vllm),
+            (f"vLLM: weights{', its fp32 head' if head else ''} and {cfg.cpu_kv_cache_gb:g} GiB of KV cache",
+             world * vllm),
             ("fp32 parameters, gradients, AdamW (m, v)", world * (t["resident"] + t["gradients"])),
             (f"activations + logits, {t['tokens']} tokens/micro-batch" + (" (with sdpa's shared masks)" if t["masks"]
                                                                           else ""), world * t["activations"]),

@@ -606,7 +606,8 @@ def test_weight_sync_refuses_a_missing_tensor_and_is_exact_at_step_0_and_after_a
     """In fp32 and (where the CPU has bf16 instructions) bf16. The stream carries every state_dict tensor, the
     tied head twice (lm_head.weight, the embedding again): from vLLM's dummy start (every run's first sync, and
     on CUDA every sync after a level-2 sleep), its fp32 engine on CPU reads the head from that name alone, and a
-    stream without it leaves the head at its dummy values (the reason it is streamed every time)."""
+    stream without it leaves the head at its dummy values (the reason it is streamed every time). In bf16 vLLM's
+    fp32 head multiplies by an fp32 copy of its weight, made at each sync (dapo._keep_fp32_head)."""
     if precision == "bf16" and dapo.check_data.cpu_lacks_bf16():
         pytest.skip("this CPU has no bf16 instructions: --precision bf16 is refused on it (tested end to end)")
     out = _run([sys.executable, "tests/test_exactness.py", "sync", tiny_model, precision], timeout=600)
@@ -625,6 +626,8 @@ def test_weight_sync_refuses_a_missing_tensor_and_is_exact_at_step_0_and_after_a
     assert diff < bound and after < bound and moved > 1e-2
     if precision == "fp32":
         assert stale > 0.1                                           # the head left at its dummy values
+    # bf16 on a CPU: vLLM's fp32 head multiplies by a copy kept since the last sync, equal to its weight now
+    assert re.search(r"kept fp32 head: (\S+)", out.stdout).group(1) == ("True" if precision == "bf16" else "None")
 
 
 def test_each_rank_receives_only_its_training_share(tmp_path):
@@ -975,6 +978,13 @@ def _sync_worker(model_dir, precision):
         moved, _ = compare(0)
     print("after-update logp diff", (after - vllm_after).abs().max().item(),
           "moved", (moved - before).abs().max().item())
+
+    def kept_head(worker):  # the head vLLM multiplies by (kept in fp32 over bf16 weights), against its weight now
+        engine = worker.model_runner.get_model()
+        head = vars(engine.logits_processor).get("_apply_head")
+        h, weight = torch.randn(3, engine.lm_head.weight.shape[1]), engine.lm_head.weight.float()
+        return head and torch.equal(head(engine.lm_head, h, None), torch.nn.functional.linear(h, weight))
+    print("kept fp32 head:", llm.collective_rpc(kept_head)[0])
     torch.distributed.destroy_process_group()
 
 

@@ -251,7 +251,7 @@ def _laptop_model(tmp_path):
 
 def test_cpu_plan_counts_each_part_and_sdpas_shared_masks(tmp_path):
     """A CPU run's plan (lib/plan.py's cpu_plan, at dapo.py's cpu_layout): its peak is the processes (torch and vLLM,
-    the reward workers), vLLM's weights and KV cache, the fp32 states, and one micro-batch's activations plus what the
+    the reward workers), vLLM's weights (its head kept in fp32 too) and KV cache, the fp32 states, and one micro-batch's activations plus what the
     allocator keeps of them; a micro-batch whose groups share their prompts under sdpa counts each shared sequence's
     dense mask in every layer, and forwards fewer tokens; more ranks on the machine, each its own."""
     from lib import plan as lib_plan
@@ -273,7 +273,7 @@ def test_cpu_plan_counts_each_part_and_sdpas_shared_masks(tmp_path):
     t = lib_plan.trainer_bytes(cfg, shape, 1, "cpu", layouts["rule"])
     assert t["masks"] == 0 and lib_plan.trainer_bytes(cfg, shape, 1, "cpu", showcase)["masks"] == 2 * 512 ** 2 * 2 * 30
     process = (lib_plan.CPU_PROCESS_GB + 2 * lib_plan.REWARD_WORKER_GB) * GB
-    vllm = 2 * t["params"] + 0.75 * 2**30
+    vllm = 2 * t["params"] + 4 * 49152 * 576 + 0.75 * 2**30
     transient = t["gathered"] + t["activations"]
     assert peak == pytest.approx(process + vllm + t["resident"] + t["gradients"] + transient + lib_plan.CPU_KEPT * transient)
     two = lib_plan.cpu_plan(cfg, shape, layouts["rule"], 2)[1]   # two ranks: each a process, half the states
