@@ -912,7 +912,7 @@ class SystemConfig:
     #  deterministic algorithms (CPU runs are deterministic already)
     memory_check: bool = True        # refuse, before vLLM starts, a config whose memory plan (tools/plan.py)
     #  does not fit the GPU (CUDA) or this machine's memory (CPUs: the laptop preset's micro-batches by
-    #  tokens where its 16 sequences would not fit); off = run anyway
+    #  tokens where its 32 sequences would not fit); off = run anyway
 
 
 @dataclass
@@ -944,9 +944,11 @@ CHOICES = dict(task=("add", "carry"), loss=OBJECTIVES, adv_estimator=ADV_ESTIMAT
 # holds 273 blocks of 128 tokens (2.9 MB each in bf16, 5.9 MB in fp32: presets sets it by the precision) for
 # the largest generate call's 257: the held-out 64 prompts x 4, each of 92 + at most 32 tokens in one block,
 # and vLLM's null block. With fewer, sequences would wait for blocks, and the schedule (so each one's sampling
-# noise) would change; longer prompts or responses need more (--cpu-kv-cache-gb).
+# noise) would change; longer prompts or responses need more (--cpu-kv-cache-gb). A micro-batch is a whole
+# mini-batch (8 x 8 / 2): each one pays FSDP2's gather and reduce-scatter of every layer and a pass of the head, so
+# one of 32 updates ~1.2x faster than two of 16 (docs/throughput.md), where memory allows (fit_host_memory).
 LAPTOP = dict(max_prompt_len=256, max_response_len=32, overlong_cache_len=8, prompts_per_step=8, group_size=8,
-              gen_batch_size=16, num_mini_batches=2, micro_batch_size=16, lr=2e-5, warmup_steps=2, steps=12,
+              gen_batch_size=16, num_mini_batches=2, micro_batch_size=32, lr=2e-5, warmup_steps=2, steps=12,
               eval_every=2, eval_samples=4, cpu_kv_cache_gb="0.75 in bf16, 1.5 in fp32", out_dir="runs/laptop",
               precision="fp32" if check_data.cpu_lacks_bf16() else "bf16")
 # On CUDA with --model (and no preset above): gradient checkpointing and one max-length sequence per micro-batch,
@@ -1032,7 +1034,7 @@ def cpu_layout(cfg, share):
 
 def fit_host_memory(cfg, config, ranks):
     """On CPUs, plan this machine's memory (lib/plan.py's cpu_plan, `ranks` processes) before vLLM starts. Where the
-    laptop preset's micro-batches of 16 sequences would not fit, micro-batches by tokens take their place (the most
+    laptop preset's micro-batches of 32 sequences would not fit, micro-batches by tokens take their place (the most
     that fit, then with gradient checkpointing), with a note, unless the user gave one of those flags; any other
     config that does not fit is refused in one line naming flags that fit (--no-memory-check runs it anyway)."""
     shape, share = plan.model_shape(cfg.model), sharing(cfg, config)

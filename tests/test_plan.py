@@ -264,14 +264,14 @@ def test_cpu_plan_counts_each_part_and_sdpas_shared_masks(tmp_path):
     beta = dapo.sharing(cfg, config)
     layouts = {how: dapo.cpu_layout(cfg, share) for how, share in (("plain", False), ("rule", beta), ("shared", True))}
     print(layouts)
-    assert layouts["plain"] == layouts["rule"] == (16 * 768, 768, [])   # 16 max-length copies, each a row
-    assert layouts["shared"] == (2 * (256 + 8 * 512), 4352, [4352] * 2)
+    assert layouts["plain"] == layouts["rule"] == (32 * 768, 768, [])   # 32 max-length copies, each a row
+    assert layouts["shared"] == (4 * (256 + 8 * 512), 4352, [4352] * 4)
     showcase = dapo.cpu_layout(dapo.parse_config(flags[:4]), beta)   # 256 + 32: the groups share whole
-    assert showcase == (2 * (256 + 8 * 32), 512, [512] * 2), showcase
+    assert showcase == (4 * (256 + 8 * 32), 512, [512] * 4), showcase
     rows, peak = lib_plan.cpu_plan(cfg, shape, layouts["rule"])
     r = dict(rows)
     t = lib_plan.trainer_bytes(cfg, shape, 1, "cpu", layouts["rule"])
-    assert t["masks"] == 0 and lib_plan.trainer_bytes(cfg, shape, 1, "cpu", showcase)["masks"] == 2 * 512 ** 2 * 2 * 30
+    assert t["masks"] == 0 and lib_plan.trainer_bytes(cfg, shape, 1, "cpu", showcase)["masks"] == 4 * 512 ** 2 * 2 * 30
     process = (lib_plan.CPU_PROCESS_GB + 2 * lib_plan.REWARD_WORKER_GB) * GB
     vllm = 2 * t["params"] + 4 * 49152 * 576 + 0.75 * 2**30
     transient = t["gathered"] + t["activations"]
@@ -282,12 +282,12 @@ def test_cpu_plan_counts_each_part_and_sdpas_shared_masks(tmp_path):
     assert r["peak"] == peak and two == pytest.approx(2 * (process + vllm + t2["resident"] + t2["gradients"] + (
         1 + lib_plan.CPU_KEPT) * (t2["gathered"] + t2["activations"])))
     shared_peak = lib_plan.cpu_plan(cfg, shape, layouts["shared"])[1]
-    assert lib_plan.trainer_bytes(cfg, shape, 1, "cpu", layouts["shared"])["masks"] == 2 * 4352 ** 2 * 2 * 30
-    assert shared_peak > peak   # two 4,352-position masks in 30 layers outweigh the tokens saved
+    assert lib_plan.trainer_bytes(cfg, shape, 1, "cpu", layouts["shared"])["masks"] == 4 * 4352 ** 2 * 2 * 30
+    assert shared_peak > peak   # four 4,352-position masks in 30 layers outweigh the tokens saved
 
 
-def test_laptop_preset_cuts_micro_batches_by_tokens_where_16_sequences_would_not_fit(tmp_path, monkeypatch, capsys):
-    """On a stand-in machine of 24 GB (the plan allows 75%: 18 GB): the laptop preset's showcase lengths keep 16
+def test_laptop_preset_cuts_micro_batches_by_tokens_where_32_sequences_would_not_fit(tmp_path, monkeypatch, capsys):
+    """On a stand-in machine of 24 GB (the plan allows 75%: 18 GB): the laptop preset's showcase lengths keep 32
     sequences a micro-batch; with responses of 512 tokens they would need more, so micro-batches go by tokens, the
     most that fit (a note says so), and that config fits; a micro-batch size given by the user that does not fit is
     refused in one line naming a token budget that does, which itself passes; --no-memory-check runs it anyway; the
@@ -298,28 +298,28 @@ def test_laptop_preset_cuts_micro_batches_by_tokens_where_16_sequences_would_not
     config = dapo.check_model(model)
     showcase = dapo.parse_config(["--model", model, "--precision", "bf16"])
     dapo.fit_host_memory(showcase, config, 1)
-    assert (showcase.micro_batch_size, showcase.micro_batch_tokens) == (16, 0) and not capsys.readouterr().out
+    assert (showcase.micro_batch_size, showcase.micro_batch_tokens) == (32, 0) and not capsys.readouterr().out
     long = ["--model", model, "--precision", "bf16", "--max-response-len", "512", "--overlong-cache-len", "128"]
     cfg = dapo.parse_config(long)
     dapo.fit_host_memory(cfg, config, 1)
     note = capsys.readouterr().out
     print(note)
-    assert note.startswith("note: micro-batches of 16 sequences of up to 768 tokens would need ") and \
+    assert note.startswith("note: micro-batches of 32 sequences of up to 768 tokens would need ") and \
         note.count("\n") == 1 and f"--micro-batch-tokens {cfg.micro_batch_tokens} instead" in note
-    assert 0 < cfg.micro_batch_tokens < 16 * 768 and cfg.micro_batch_tokens % 768 == 0 and not cfg.grad_checkpointing
+    assert 0 < cfg.micro_batch_tokens < 32 * 768 and cfg.micro_batch_tokens % 768 == 0 and not cfg.grad_checkpointing
     shape = lib_plan.model_shape(model)
     fits = lambda c: lib_plan.cpu_plan(c, shape, dapo.cpu_layout(c, dapo.sharing(c, config)))[1] <= 0.75 * 24 * GB  # noqa
     assert fits(cfg) and not fits(dataclasses.replace(cfg, micro_batch_tokens=cfg.micro_batch_tokens + 768))
-    given = dapo.parse_config(long + ["--micro-batch-size", "32"])
+    given = dapo.parse_config(long + ["--micro-batch-size", "16"])
     with pytest.raises(dapo.DapoError) as e:
         dapo.fit_host_memory(given, config, 1)
     print(e.value)
     assert "\n" not in str(e.value) and "--no-memory-check runs it anyway" in str(e.value)
     budget = int(re.search(r"`--micro-batch-tokens (\d+)` fits", str(e.value))[1])
-    same = dapo.parse_config(long + ["--micro-batch-size", "16"])   # the preset's value, but given: never rewritten
+    same = dapo.parse_config(long + ["--micro-batch-size", "32"])   # the preset's value, but given: never rewritten
     with pytest.raises(dapo.DapoError, match="--no-memory-check runs it anyway"):
         dapo.fit_host_memory(same, config, 1)
-    assert (same.micro_batch_size, same.micro_batch_tokens) == (16, 0)
+    assert (same.micro_batch_size, same.micro_batch_tokens) == (32, 0)
     dapo.fit_host_memory(dapo.parse_config(long + ["--micro-batch-size", "32", "--micro-batch-tokens", str(budget)]),
                          config, 1)   # passes
     monkeypatch.setattr(dapo, "fit_host_memory", lambda *a: (_ for _ in ()).throw(AssertionError("planned")))

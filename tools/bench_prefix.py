@@ -14,7 +14,7 @@
               21-41), tools/ladder.py's REAL settings
   mid         SmolLM2-135M's architecture with random weights, so that every response runs to its limit:
               fewshot_chain's prompts, 4 prompts x 8 responses of 150 tokens, the laptop preset, one mini-batch
-  long        the same at 512 tokens a response (the laptop preset: bf16 where the CPU has it, 16 sequences a
+  long        the same at 512 tokens a response (the laptop preset: bf16 where the CPU has it, 32 sequences a
               micro-batch, or what this machine's memory holds)
 
 Every run is dapo.py's own command (dynamic sampling off but for the showcase and the demo, no evaluation), the

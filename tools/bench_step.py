@@ -8,7 +8,7 @@
     python tools/bench_step.py --ways default plain shared   # the update each way on the same samples, one process
     python tools/bench_step.py --ways default plain --model $(python tools/real_model.py) \
         --train-data data/chain/train.jsonl --prompts 8 --max-response-len 64 --num-mini-batches 4  # the ladder's
-    python tools/bench_step.py --profile ...      # and the last step's update under torch.profiler, by part
+    python tools/bench_step.py --profile ...      # and the last step's update and generation under torch.profiler
 
 A random-init tiny Qwen2 (the demo's shape, vocabulary 128, fp32): EOS is one token in 128, so
 responses average ~110 tokens at a maximum of 256, ragged as DAPO's are. Dynamic sampling off,
@@ -22,7 +22,8 @@ prints each way's median and its ratio to plain's. --model and --train-data repl
 built-in task (dapo.py's presets for the model apply: the laptop preset for tools/real_model.py's).
 --profile runs the last step's update once more under torch.profiler and adds up every operator's own time by
 part (PARTS: matrix products, attention, the head, FSDP2's casts and copies, AdamW, clipping, the rest), then
-prints the update over its matrix products and attention together.
+prints the update over its matrix products and attention together; then the last step's generation batch once more,
+its operators by their own time.
 """
 import argparse
 import copy
@@ -63,7 +64,8 @@ def main():
     p.add_argument("--train-data", default="", help="with --model: its data file instead of the built-in task")
     p.add_argument("--num-mini-batches", type=int, default=1)
     p.add_argument("--profile", action="store_true",
-                   help="after the timed steps, the last step's update again under torch.profiler, by part (PARTS)")
+                   help="after the timed steps, the last step's update (by part: PARTS) and generation again under "
+                        "torch.profiler")
     a = p.parse_args()
     if len(a.precision) > 1:
         return side_by_side(a)
@@ -105,8 +107,9 @@ def main():
     rec = []
     for step in range(a.warmup + a.steps):
         t0 = time.perf_counter()
-        groups, t = dapo.sample_groups(run, rows, prompt_ids, sampler.take(a.prompts), cfg.group_size,
-                                       cfg.temperature, cfg.top_p, (cfg.seed, step, 0))
+        idx = sampler.take(a.prompts)
+        groups, t = dapo.sample_groups(run, rows, prompt_ids, idx, cfg.group_size, cfg.temperature, cfg.top_p,
+                                       (cfg.seed, step, 0))
         samples = [s for g in groups for s in g]
         dapo.shape_rewards(samples, cfg)
         dapo.set_advantages(samples, cfg)
@@ -152,6 +155,7 @@ def main():
         dapo.print0(f"  {k:<24} {med[k]:.3g}")
     if a.profile:
         profile_update(run, cfg, last, step + 1)  # update_policy counts steps from 1
+        profile_generation(run, rows, prompt_ids, idx, cfg, (cfg.seed, step, 0))
 
 
 # --profile's parts, in the order printed: every operator's own (self) time goes to the first that claims it
@@ -226,6 +230,24 @@ def profile_update(run, cfg, samples, step):
     arithmetic = sum(total[k] for k in PARTS[:3])
     dapo.print0(f"  update {wall:.2f} s (its operators {ops:.2f} s); matrix products and attention {arithmetic:.2f} s: "
                 f"the update is {wall / arithmetic:.2f}x them")
+
+
+def profile_generation(run, rows, prompt_ids, idx, cfg, key):
+    """The last step's generation batch again (sample_groups: vLLM's generate, with the policy's weights after the
+    step's sync, and the reward) under torch.profiler: its wall time and the operators over 3% of their total."""
+    from torch.profiler import profile
+    with profile() as prof:
+        t = time.perf_counter()
+        dapo.sample_groups(run, rows, prompt_ids, idx, cfg.group_size, cfg.temperature, cfg.top_p, key)
+        wall = time.perf_counter() - t
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in ops) / 1e6
+    dapo.print0(f"profile of one generation batch: {wall:.2f} s (its operators {total:.2f} s); each operator's own "
+                f"time, those over 3%:")
+    for e in ops:
+        if e.self_cpu_time_total / 1e6 < 0.03 * total:
+            break
+        dapo.print0(f"  {e.key[:48]:<48} {e.self_cpu_time_total / 1e6:6.2f} s {e.count:7d} calls")
 
 
 def bench_run(cfg, llm, tokenizer, model, opt, device):
