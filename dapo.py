@@ -384,7 +384,7 @@ def policy_gradient(run, mini, micros):
     denom = loss_normaliser(mini, cfg)
     sums = {}
     for mb in micros:
-        # packed rows, "mask" (B, R): the response tokens; π_θ's log π and entropy of each, (B, R)
+        # rows packed, back per sample (B): "mask" (B, R), response tokens; log π and entropy (B, R)
         batch = collate(mb, run.pad_id, device, packs_one_row(cfg), run.share)  # Part 3
         logp, ent = run.model.forward_logprobs(batch, cfg.temperature, cfg.logprob_chunk)  # Part 3
         old = old_logp_of(mb, logp)  # Part 3: (B, R) π_θold; the first mini-batch's: logp detached
@@ -939,7 +939,7 @@ CHOICES = dict(task=("add", "carry"), loss=OBJECTIVES, adv_estimator=ADV_ESTIMAT
                attn_impl=("", "flex_attention", "flash_attention_2", "sdpa"), save_dtype=("", "bfloat16", "float32"),
                precision=("", "bf16", "fp32"), dppo_anchor=("rollout", "recompute"))
 # The laptop preset: tools/real_model.py's SmolLM2-135M-Instruct (its config says so) on 2 CPU cores, for
-# short answers (examples/fewshot_addition.py's sums learn with it: the whole command ~4.3 minutes); bf16 where
+# short answers (examples/fewshot_addition.py's sums learn with it: the whole command ~3.5 minutes); bf16 where
 # the CPU has bf16 instructions (twice as fast as fp32 there, and it learns as well: docs/real-model.md). The KV cache
 # holds 273 blocks of 128 tokens (2.9 MB each in bf16, 5.9 MB in fp32: presets sets it by the precision) for
 # the largest generate call's 257: the held-out 64 prompts x 4, each of 92 + at most 32 tokens in one block,
