@@ -1228,7 +1228,8 @@ def start_engine(cfg, path, device, dummy_weights=False):
         stale = STALE_SHM if "SHMManager failed. errno: 17" in str(e) else ""
         raise DapoError(f"vLLM could not start on model '{path}': {one_line(e, 500)}{stale}")
     unlink_group_shm()  # lib/dist.py: no run leaves vLLM's CPU TP shared memory behind
-    llm.collective_rpc(_keep_fp32_head)
+    if device.type != "cuda":  # CUDA multiplies bf16 into an fp32 head; elsewhere its cast is kept
+        llm.collective_rpc(_keep_fp32_head)
     trainer_compile_threads(threads)
     return llm
 
