@@ -982,8 +982,9 @@ def _sync_worker(model_dir, precision):
     def kept_head(worker):  # the head vLLM multiplies by (kept in fp32 over bf16 weights), against its weight now
         engine = worker.model_runner.get_model()
         head = vars(engine.logits_processor).get("_apply_head")
-        h, weight = torch.randn(3, engine.lm_head.weight.shape[1]), engine.lm_head.weight.float()
-        return head and torch.equal(head(engine.lm_head, h, None), torch.nn.functional.linear(h, weight))
+        h = torch.randn(3, engine.lm_head.weight.shape[1]).to(engine.lm_head.weight.dtype)
+        expected = torch.nn.functional.linear(h.float(), engine.lm_head.weight.float())
+        return head and torch.equal(head(engine.lm_head, h, None), expected)
     print("kept fp32 head:", llm.collective_rpc(kept_head)[0])
     torch.distributed.destroy_process_group()
 
