@@ -292,8 +292,6 @@ def collect_batch(sample_fn, sampler, cfg, carried=()):
     size = cfg.gen_batch_size if cfg.dynamic_sampling else N
     kept, generated, passing, stats, b = list(carried), [], 0, {}, 0
     while len(kept) < N:
-        if b == cfg.max_gen_batches:
-            raise too_few_groups(len(kept), generated, b, cfg)  # Part 3: the error and its fixes
         groups, t = sample_fn(sampler.take(size), b)  # take: the next `size` shuffled rows (Part 3)
         b += 1
         stats = {k: stats.get(k, 0) + v for k, v in t.items()}
@@ -304,9 +302,9 @@ def collect_batch(sample_fn, sampler, cfg, carried=()):
         if cfg.dynamic_sampling:
             groups = [g for g, d in zip(groups, differ) if d]
         kept += groups
-        # too few: the batches left, at twice the pass rate so far, would not fill the batch
+        # too few: the batches left (none after the last), at twice the pass rate so far, short of N
         if len(kept) + 2 * (cfg.max_gen_batches - b) * size * passing / len(generated) < N:
-            raise too_few_groups(len(kept), generated, b, cfg)  # Part 3: the same error
+            raise too_few_groups(len(kept), generated, b, cfg)  # Part 3: the error and its fixes
     stats.update({"filter/kept_frac": passing / len(generated), "filter/gen_batches": b,
                   "filter/carried": len(carried)})
     return kept[:N], kept[N:], generated, stats
