@@ -601,16 +601,19 @@ def test_token_logprobs_peak_memory():
     assert peaks["fused"] < peaks["naive"] / 3
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_weight_sync_refuses_a_missing_tensor_and_is_exact_at_step_0_and_after_an_update(tiny_model, precision):
-    """In fp32 and (where the CPU has bf16 instructions) bf16. The stream carries every state_dict tensor, the
-    tied head twice (lm_head.weight, the embedding again): from vLLM's dummy start (every run's first sync, and
-    on CUDA every sync after a level-2 sleep), its fp32 engine on CPU reads the head from that name alone, and a
-    stream without it leaves the head at its dummy values (the reason it is streamed every time). In bf16 vLLM's
-    fp32 head multiplies by an fp32 copy of its weight, made at each sync (dapo._keep_fp32_head)."""
+@pytest.mark.parametrize("precision,compiled", [("fp32", False), ("bf16", False), ("fp32", True)])
+def test_weight_sync_refuses_a_missing_tensor_and_is_exact_at_step_0_and_after_an_update(tiny_model, precision,
+                                                                                         compiled):
+    """In fp32 and (where the CPU has bf16 instructions) bf16, the engine eager, and in fp32 compiled
+    (--vllm-compile: the weights are loaded into the compiled model's own parameters). The stream carries every
+    state_dict tensor, the tied head twice (lm_head.weight, the embedding again): from vLLM's dummy start (every
+    run's first sync, and on CUDA every sync after a level-2 sleep), its fp32 engine on CPU reads the head from that
+    name alone, and a stream without it leaves the head at its dummy values (the reason it is streamed every time).
+    In bf16 vLLM's fp32 head multiplies by an fp32 copy of its weight, made at each sync (dapo._keep_fp32_head)."""
     if precision == "bf16" and dapo.check_data.cpu_lacks_bf16():
         pytest.skip("this CPU has no bf16 instructions: --precision bf16 is refused on it (tested end to end)")
-    out = _run([sys.executable, "tests/test_exactness.py", "sync", tiny_model, precision], timeout=600)
+    out = _run([sys.executable, "tests/test_exactness.py", "sync", tiny_model, precision, str(compiled)], timeout=600)
+    assert re.search(r"engine compiled: (\S+)", out.stdout).group(1) == str(compiled), out.stderr[-3000:]
     assert out.returncode == 0, out.stderr[-3000:]
     err = re.search(r"sync error: (.*)", out.stdout).group(1)
     diff = float(re.search(r"step-0 logp diff (\S+)", out.stdout).group(1))
@@ -931,14 +934,17 @@ def _traffic_worker(out_path):
     torch.distributed.destroy_process_group()
 
 
-def _sync_worker(model_dir, precision):
+def _sync_worker(model_dir, precision, compiled):
     """vLLM started with dummy weights (as every run starts it). First a stream without the tied head's second
     copy (lm_head.weight, the embedding again); then a stream missing one tensor, refused, naming it; the full
     stream then gives vLLM's log-probs equal to the trainer's before any generation, and after an update."""
     from vllm import SamplingParams
-    cfg = dapo.Config(max_prompt_len=16, max_response_len=8, cpu_kv_cache_gb=0.25, precision=precision)
+    cfg = dapo.Config(max_prompt_len=16, max_response_len=8, cpu_kv_cache_gb=0.25, precision=precision,
+                      vllm_compile=compiled == "True")
     device = dapo.init_distributed()
     llm = dapo.start_engine(cfg, model_dir, device, dummy_weights=True)
+    from torch._dynamo.utils import counters   # graphs dynamo captured in this process (vLLM's, at its start)
+    print("engine compiled:", counters["stats"]["unique_graphs"] > 0)
     model = dapo.load_policy(cfg, model_dir, device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-2)   # before any forward, as set_up: the sharded params
     prompt = [20, 5, 6, 13, 7, 8, 15]
@@ -1052,7 +1058,7 @@ if __name__ == "__main__":  # the helper processes the tests above start
     if sys.argv[1] == "load":
         _load_worker(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "sync":
-        _sync_worker(sys.argv[2], sys.argv[3])
+        _sync_worker(sys.argv[2], sys.argv[3], sys.argv[4])
     elif sys.argv[1] == "mixed_precision":
         _mixed_precision_worker()
     elif sys.argv[1] == "export":

@@ -430,7 +430,7 @@ def _seed_worker(model_dir):
     another seed (another DP group) different ones, and the trainer's RNG is left as it was."""
     import numpy as np
     from vllm import SamplingParams
-    cfg = dapo.Config(max_prompt_len=16, max_response_len=8, cpu_kv_cache_gb=0.25)
+    cfg = dapo.Config(max_prompt_len=16, max_response_len=8, cpu_kv_cache_gb=0.25, vllm_compile=False)
     device = dapo.init_distributed()
     llm = dapo.start_engine(cfg, model_dir, device)
     prompts = [{"prompt_token_ids": [20, 5, 6, 13, 7, 8, 15][:k]} for k in range(2, 8)]

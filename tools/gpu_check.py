@@ -354,7 +354,7 @@ def all_checks(reports, rows, files, steps, cuda, error):
         checks.append(("CUDA graphs, every engine of every rank", f"on in {sum(graphs)} of {len(graphs)}", "all",
                        all(graphs)))
     elif not cuda:
-        checks.append(("CUDA graphs", "-", "skipped: the CPU backend runs eager", None))
+        checks.append(("CUDA graphs", "-", "skipped: CUDA graphs exist on CUDA only", None))
     if files:
         missing, summary = files
         checks.append((f"checkpoint of step {steps - 1}, its files", "missing: " + ", ".join(missing) if missing
