@@ -21,9 +21,9 @@ step's samples, step k starting with way k mod (the number of ways), so that no 
 prints each way's median and its ratio to plain's. --model and --train-data replace the tiny model and the
 built-in task (dapo.py's presets for the model apply: the laptop preset for tools/real_model.py's).
 --profile runs the last step's update once more under torch.profiler and adds up every operator's own time by
-part (PARTS: matrix products, attention, the head, FSDP2's casts and copies, AdamW, clipping, the rest), then
-prints the update over its matrix products and attention together; then the last step's generation batch once more,
-its operators by their own time.
+part (PARTS: matrix products, attention, the head, FSDP2's casts and copies, AdamW, clipping, the rest) and the
+largest operators outside the matrix products and attention, then prints the update over those two together; then
+the last step's generation batch once more, its operators by their own time.
 """
 import argparse
 import copy
@@ -203,7 +203,7 @@ def profile_update(run, cfg, samples, step):
     events = prof.events()
     # the head's backward: the autograd nodes of operators its forward ran (the same sequence number)
     in_head = {e.sequence_nr for e in events if e.sequence_nr >= 0 and any(p.name == "head" for p in up(e))}
-    total = dict.fromkeys(PARTS, 0.0)
+    total, by_op = dict.fromkeys(PARTS, 0.0), {}
     for e in events:
         names = [p.name for p in up(e)]
         head = "head" in names or any(p.name.startswith("autograd::engine") and p.sequence_nr in in_head
@@ -223,10 +223,15 @@ def profile_update(run, cfg, samples, step):
         else:
             part = "decoder element-wise, the rest"
         total[part] += e.self_cpu_time_total / 1e6
+        by_op[part, e.name] = by_op.get((part, e.name), 0.0) + e.self_cpu_time_total / 1e6
     ops = sum(total.values())
     dapo.print0("profile of one update (torch.profiler; each operator's own time, by part):")
     for part, t in total.items():
         dapo.print0(f"  {part:<32} {t:7.2f} s  {t / ops:6.1%}")
+    dapo.print0("  the largest operators outside the matrix products and attention:")
+    rest = [(k, t) for k, t in by_op.items() if k[0] not in PARTS[:3]]
+    for (part, name), t in sorted(rest, key=lambda kt: -kt[1])[:10]:
+        dapo.print0(f"    {name[:44]:<44} {t:6.2f} s  ({part})")
     arithmetic = sum(total[k] for k in PARTS[:3])
     dapo.print0(f"  update {wall:.2f} s (its operators {ops:.2f} s); matrix products and attention {arithmetic:.2f} s: "
                 f"the update is {wall / arithmetic:.2f}x them")
