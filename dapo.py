@@ -904,9 +904,10 @@ class SystemConfig:
     gpu_memory_utilization: float = 0.6  # vLLM's share of GPU memory (weights + KV cache) {(0, 1]}
     cpu_kv_cache_gb: float = 1.0     # vLLM KV cache on the CPU backend, GiB per rank {> 0}
     vllm_sleep: bool = True          # CUDA only: free vLLM's memory while training
-    vllm_compile: bool = True        # vLLM compiles its model (torch.compile; CUDA graphs on GPUs):
-    #  faster decoding for a slower start (2 CPU cores, SmolLM2-135M: generation ~1.25x faster, the
-    #  start ~20 s longer, ~60 s the first time); off = eager
+    vllm_compile: bool | None = None  # vLLM compiles its model (torch.compile; CUDA graphs on GPUs):
+    #  faster decoding for a slower start; None (neither flag) = on CUDA, off on a CPU (2 cores,
+    #  SmolLM2-135M: generation ~1.25x faster, the start ~20 s longer, ~60 s the first time; the
+    #  showcase's held-out avg@4 ended lower on each seed tried: docs/throughput.md)
     collective_timeout_min: float = 180.0  # minutes a rank may wait in a collective (torch: 30)
     #  {> 0}
     deterministic: bool = False      # vLLM's batch-invariant kernels (CUDA) and torch's
@@ -926,12 +927,11 @@ class Config(SystemConfig, RunConfig, AfterDapoConfig, DapoConfig):
 # Flags, presets and errors
 
 # The built-in task's settings, applied on the built-in model (no --model, or a saved demo model; a flag
-# given on the command line still wins). A 0.5M-parameter model needs a far larger lr than a 32B one. Its
-# engine runs eager: it starts in seconds (the tests start it dozens of times).
+# given on the command line still wins). A 0.5M-parameter model needs a far larger lr than a 32B one.
 DEMO = dict(prompts_per_step=64, group_size=8, gen_batch_size=96, max_prompt_len=16,
             max_response_len=8, overlong_cache_len=2, lr=3e-4, warmup_steps=20,
             num_mini_batches=2, micro_batch_size=256, steps=250, eval_every=100, eval_samples=4,
-            eval_top_p=1.0, vllm_compile=False, out_dir="runs/demo")
+            eval_top_p=1.0, out_dir="runs/demo")
 # --task carry: written reasoning of 10 to 50 tokens, so each DAPO technique has something to act on.
 CARRY = dict(DEMO, prompts_per_step=32, gen_batch_size=48, max_response_len=96, overlong_cache_len=24,
              lr=2e-4, steps=75, eval_every=25, demo_sft_target=0.25, out_dir="runs/carry")
@@ -1228,7 +1228,8 @@ def start_engine(cfg, path, device, dummy_weights=False):
                   # each TP rank schedules on its own (external_launcher): async scheduling composes the next
                   # batch before the last one ends, on timing that can differ between the ranks of a group; the
                   # CPU backend forces it off, and the CPU tests run that path
-                  async_scheduling=False, enable_prefix_caching=True, enforce_eager=not cfg.vllm_compile, **kw)
+                  async_scheduling=False, enable_prefix_caching=True,
+                  enforce_eager=not (device.type == "cuda" if cfg.vllm_compile is None else cfg.vllm_compile), **kw)
     except Exception as e:  # errno 17 (EEXIST): an earlier TP run left its files (lib/dist.py)
         stale = STALE_SHM if "SHMManager failed. errno: 17" in str(e) else ""
         raise DapoError(f"vLLM could not start on model '{path}': {one_line(e, 500)}{stale}")

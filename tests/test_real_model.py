@@ -26,13 +26,10 @@ def length(response, row):
 """
 
 
-# The engine eager, for CI's time: compiling this model takes ~60 s cold (the built-in model's compiled engine is
-# tested in tests/test_exactness.py, where the weight sync writes its parameters).
 REAL_ARGS = ["--precision", "fp32", "--no-overlong-filtering", "--max-prompt-len", "256", "--max-response-len", "32",
              "--overlong-cache-len", "8", "--prompts-per-step", "2", "--group-size", "2", "--gen-batch-size", "2",
              "--num-mini-batches", "1", "--micro-batch-size", "4", "--lr", "1e-4", "--warmup-steps", "1",
-             "--eval-samples", "2", "--eval-max-prompts", "4", "--log-samples", "4",
-             "--no-vllm-compile"]
+             "--eval-samples", "2", "--eval-max-prompts", "4", "--log-samples", "4"]
 
 
 pytestmark = pytest.mark.timeout(1200, method="thread")  # the subprocess helpers time out first

@@ -78,6 +78,22 @@ def test_the_engine_on_cuda_schedules_in_lockstep_and_the_trainer_forms_its_nccl
     assert group["device_id"] == group["set"] == torch.device("cuda", 1) and group["backend"] == "cpu:gloo,cuda:nccl"
 
 
+def test_vllm_compiles_on_cuda_and_on_a_cpu_only_when_asked(monkeypatch):
+    """--vllm-compile, neither flag: compiled on CUDA (vLLM's default, CUDA graphs too), eager on a CPU; either flag
+    wins on both. On a CPU vLLM's saved compilation is off (it fails to load there), so inductor's cache is read.
+    A stand-in vLLM sees the arguments."""
+    import types as t
+    seen = {}
+    fake = t.ModuleType("vllm")
+    fake.LLM = lambda **kw: seen.update(kw) or t.SimpleNamespace(collective_rpc=lambda *a, **k: None)
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
+    for device, flag, eager in (("cuda", None, False), ("cpu", None, True), ("cpu", True, False), ("cuda", False, True)):
+        dapo.start_engine(dapo.Config(vllm_compile=flag), "model-dir", torch.device(device))
+        assert seen["enforce_eager"] is eager, (device, flag)
+    assert os.environ["VLLM_USE_AOT_COMPILE"] == "0"
+
+
 def test_importing_vllm_leaves_the_trainers_compile_threads_as_torch_decides():
     """`import vllm` sets TORCHINDUCTOR_COMPILE_THREADS=1 (vllm/env_override.py), which would compile the trainer's
     flex attention on one thread; once the engine is up, trainer_compile_threads gives inductor its own choice back
@@ -430,7 +446,7 @@ def _seed_worker(model_dir):
     another seed (another DP group) different ones, and the trainer's RNG is left as it was."""
     import numpy as np
     from vllm import SamplingParams
-    cfg = dapo.Config(max_prompt_len=16, max_response_len=8, cpu_kv_cache_gb=0.25, vllm_compile=False)
+    cfg = dapo.Config(max_prompt_len=16, max_response_len=8, cpu_kv_cache_gb=0.25)
     device = dapo.init_distributed()
     llm = dapo.start_engine(cfg, model_dir, device)
     prompts = [{"prompt_token_ids": [20, 5, 6, 13, 7, 8, 15][:k]} for k in range(2, 8)]
