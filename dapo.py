@@ -1208,6 +1208,7 @@ def start_engine(cfg, path, device, dummy_weights=False):
     if cfg.tp_size > 1:  # lib/dist.py: the TP group's sockets go where the exit removes them
         own_ipc_dir()
     threads = os.environ.get("TORCHINDUCTOR_COMPILE_THREADS")
+    compiled = device.type == "cuda" if cfg.vllm_compile is None else cfg.vllm_compile
     from vllm import LLM
     kw = {"load_format": "dummy"} if dummy_weights else {}
     if bf16(cfg):  # fp32 logits, as the trainer computes them
@@ -1228,8 +1229,7 @@ def start_engine(cfg, path, device, dummy_weights=False):
                   # each TP rank schedules on its own (external_launcher): async scheduling composes the next
                   # batch before the last one ends, on timing that can differ between the ranks of a group; the
                   # CPU backend forces it off, and the CPU tests run that path
-                  async_scheduling=False, enable_prefix_caching=True,
-                  enforce_eager=not (device.type == "cuda" if cfg.vllm_compile is None else cfg.vllm_compile), **kw)
+                  async_scheduling=False, enable_prefix_caching=True, enforce_eager=not compiled, **kw)
     except Exception as e:  # errno 17 (EEXIST): an earlier TP run left its files (lib/dist.py)
         stale = STALE_SHM if "SHMManager failed. errno: 17" in str(e) else ""
         raise DapoError(f"vLLM could not start on model '{path}': {one_line(e, 500)}{stale}")
