@@ -613,8 +613,8 @@ def test_weight_sync_refuses_a_missing_tensor_and_is_exact_at_step_0_and_after_a
     if precision == "bf16" and dapo.check_data.cpu_lacks_bf16():
         pytest.skip("this CPU has no bf16 instructions: --precision bf16 is refused on it (tested end to end)")
     out = _run([sys.executable, "tests/test_exactness.py", "sync", tiny_model, precision, str(compiled)], timeout=600)
-    assert re.search(r"engine compiled: (\S+)", out.stdout).group(1) == str(compiled), out.stderr[-3000:]
     assert out.returncode == 0, out.stderr[-3000:]
+    assert re.search(r"engine compiled: (\S+)", out.stdout).group(1) == str(compiled)
     err = re.search(r"sync error: (.*)", out.stdout).group(1)
     diff = float(re.search(r"step-0 logp diff (\S+)", out.stdout).group(1))
     after, moved = map(float, re.search(r"after-update logp diff (\S+) moved (\S+)", out.stdout).groups())
