@@ -554,6 +554,27 @@ def test_bench_prefix_table_gives_medians_over_alternated_runs_and_the_plan_besi
     assert bench_prefix.flags({"dedup": False, "lr": 1e-5}) == ["--no-dedup", "--lr", "1e-05"]
 
 
+def test_bench_kernels_times_each_alternative_and_checks_it_computes_the_same():
+    """tools/bench_kernels.py at a small shape: every row printed; the split attention (each response against its
+    prompt and itself) gives the shared-prompt mask's output within bf16's rounding, eager attention too; the fp32
+    head's backward is within one bf16 rounding of fp64, with bf16 operands within two (a per-token gradient
+    rounded to bf16 twice); flex attention either ran or says why not."""
+    out = _run([sys.executable, "tools/bench_kernels.py", "--prompt", "24", "--responses", "3", "--response-len", "8",
+                "--vocab", "2048", "--repeat", "1"], timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    print(out.stdout)
+    rows = {line[:46].strip(): line[46:].split() for line in out.stdout.splitlines() if ":" in line[:46]}
+    assert len(rows) == 10, rows
+    for name in ("attention: sdpa, split (the pairs it keeps)", "attention: eager, shared-prompt mask",
+                 "rms norm: torch's fused rms_norm"):
+        assert float(rows[name][2]) < 0.07, (name, rows[name])   # bf16: 1/128 of outputs of up to ~4
+    assert rows["attention: flex, shared-prompt block mask"][2] == "refused:" or \
+        float(rows["attention: flex, shared-prompt block mask"][2]) < 0.07
+    ratio = lambda name: float(rows[name][-3].rstrip("x"))   # noqa: E731
+    assert ratio("head backward: fp32 matmuls (dapo.py)") < 1.05   # bf16's own kernels or not, within 2x:
+    assert 0.99 < ratio("head backward: bf16 operands") < 2.0     # ~1.4x where oneDNN runs them (AMX)
+
+
 def _fake_proc(root, procs):
     """A /proc of our own: {pid: (ppid, argv, RssAnon kB, Pss_File kB)}; a process with RssAnon None is a zombie."""
     for pid, (ppid, argv, anon, files) in procs.items():
