@@ -907,7 +907,7 @@ class SystemConfig:
     vllm_compile: bool | None = None  # vLLM compiles its model (torch.compile; CUDA graphs on GPUs):
     #  faster decoding for a slower start; None (neither flag) = on CUDA, off on a CPU (2 cores,
     #  SmolLM2-135M: generation ~1.25x faster, the start ~20 s longer, ~60 s the first time; the
-    #  showcase's held-out avg@4 ended lower on 5 of 6 seeds: docs/throughput.md)
+    #  showcase's held-out avg@4 ended lower on 7 of 10 seeds: docs/throughput.md)
     collective_timeout_min: float = 180.0  # minutes a rank may wait in a collective (torch: 30)
     #  {> 0}
     deterministic: bool = False      # vLLM's batch-invariant kernels (CUDA) and torch's
