@@ -7,8 +7,8 @@ one layer of SmolLM2-135M's width on the ladder's mini-batch, in bf16 on this ma
 Each row: the median over --repeat passes (after one warm-up) of the forward and of the backward, and how far its
 result is from the first row's, the kernel dapo.py runs (attention and the norm: the largest difference of the
 output; the head: the error against fp64).
-  attention  sdpa under the shared-prompt mask (dapo.py's prefix_mask on collate's layout: what the update runs);
-             sdpa causal, and unmasked (what a mask costs the kernel); sdpa split into each prompt (causal) and each
+  attention  sdpa under the shared-prompt mask (dapo.py's shared_prefix_mask on collate's layout: what the update
+             runs); sdpa causal, and unmasked (what a mask costs the kernel); sdpa split into each prompt (causal) and each
              response against [its prompt, itself] in a second call (only the pairs the mask keeps); transformers'
              eager attention (bf16 scores, an fp32 softmax, two matmuls); flex attention (its block mask skips what
              no query sees), or the reason torch refuses it.
@@ -22,6 +22,7 @@ import os
 import statistics
 import sys
 import time
+import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # dapo.py's checkout
 import torch  # noqa: E402
@@ -79,11 +80,16 @@ def layout(a):
     return segment, branch
 
 
+def model_mask(segment, branch, kind):
+    """dapo.shared_prefix_mask as the update builds it for a model whose attention is `kind`."""
+    model = types.SimpleNamespace(config=types.SimpleNamespace(_attn_implementation=kind))
+    return dapo.shared_prefix_mask(model, {"segment": segment, "branch": branch})
+
+
 def attention_rows(a):
     segment, branch = layout(a)
     B, L = segment.shape
-    i = torch.arange(L)
-    mask = dapo.prefix_mask(segment, branch)(torch.arange(B)[:, None, None, None], None, i[:, None], i[None])
+    mask = model_mask(segment, branch, "sdpa")
     P, G, n = a.prompt, a.responses, a.response_len
     # the split: each response's queries against its prompt's keys and its own, causal within the response
     answers = torch.arange(P, L).view(G, n)
@@ -102,9 +108,8 @@ def attention_rows(a):
         return probs.to(q.dtype) @ v
 
     def flex(q, k, v):
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-        blocks = create_block_mask(dapo.prefix_mask(segment, branch), B, None, L, L, device="cpu")
-        return torch.compile(flex_attention)(q, k, v, block_mask=blocks)
+        from torch.nn.attention.flex_attention import flex_attention
+        return torch.compile(flex_attention)(q, k, v, block_mask=model_mask(segment, branch, "flex_attention"))
 
     qkv = [torch.randn(B, a.heads, L, a.head_dim, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
     ways = [("attention: sdpa, shared-prompt mask (dapo.py)", lambda q, k, v: F.scaled_dot_product_attention(
